@@ -1,0 +1,86 @@
+"""Length-prefixed cloudpickle frames over the private pipes between the notebook and its workers.
+
+Pipes, not sockets: only the two processes that share a pipe can write to it, so
+unpickling what arrives on one is as safe as unpickling your own data.
+"""
+import io
+import os
+import struct
+import types
+from collections import ChainMap
+
+import cloudpickle
+from cloudpickle import cloudpickle as _cp
+
+HEADER = struct.Struct("!Q")
+END_MARK = b"\x00course_utils-end:"  # written to a worker's stdout/stderr after each command
+
+
+def _named_code(args, filename):
+    return types.CodeType(*args).replace(co_filename=filename)
+
+
+class Pickler(cloudpickle.Pickler):
+    """cloudpickle renames every code object "<dynamic-code>"; this one keeps the real name (or
+    the notebook's "Cell In[N]" for it), so a rank's traceback can show the cell's lines."""
+
+    def __init__(self, file, rename=None):
+        super().__init__(file)
+        self.rename = rename or {}
+        self.dispatch_table = ChainMap({types.CodeType: self._code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+    def _code_reduce(self, code):
+        name = self.rename.get(code.co_filename, code.co_filename)
+        return _named_code, (_cp._code_reduce(code)[1], name)
+
+
+def dumps(obj, rename=None) -> bytes:
+    buf = io.BytesIO()
+    Pickler(buf, rename).dump(obj)
+    return buf.getvalue()
+
+
+def dump(obj) -> bytes:
+    data = dumps(obj)
+    return HEADER.pack(len(data)) + data
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def read_exact(fd: int, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv(fd: int):
+    (n,) = HEADER.unpack(read_exact(fd, HEADER.size))
+    return cloudpickle.loads(read_exact(fd, n))
+
+
+class FrameReader:
+    """Incremental decoder for a non-blocking pipe: feed bytes, get whole messages."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def feed(self, data: bytes):
+        self.buf += data
+        out = []
+        while len(self.buf) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self.buf)
+            if len(self.buf) < HEADER.size + n:
+                break
+            out.append(cloudpickle.loads(bytes(self.buf[HEADER.size:HEADER.size + n])))
+            del self.buf[:HEADER.size + n]
+        return out

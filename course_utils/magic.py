@@ -1,0 +1,191 @@
+"""The ``%%ddp`` cell magic and ``%ddp`` line magics (00_launcher_tour).
+
+    %%ddp -n 4                  run this cell on 4 ranks (gloo on CPU, NCCL with a GPU per rank)
+    %%ddp --rank 0              show rank 0's output only
+    %ddp pull NAME / push NAME  move a value between the notebook and the ranks
+    %ddp status / restart / shutdown
+    %ddp export PATH            write the %%ddp cells run so far as a torchrun script
+"""
+import argparse
+import os
+import shlex
+import sys
+import time
+
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from course_utils import launcher
+from course_utils.progress import bar
+
+_CLUSTER = None
+_CELLS = []  # (options line, source) of every %%ddp cell run successfully, for export
+
+
+def shutdown_cluster():
+    global _CLUSTER
+    if _CLUSTER is not None:
+        _CLUSTER.shutdown()
+        _CLUSTER = None
+
+
+class RankValues(list):
+    """Rank-ordered values that display as ``[rank N] value`` lines."""
+
+    only_rank = None
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self._text())
+
+    def __repr__(self):
+        return self._text()
+
+    def _text(self):
+        lines = []
+        for r, value in enumerate(self):
+            if self.only_rank is not None and r != self.only_rank:
+                continue
+            lines += [f"[rank {r}] {line}" for line in repr(value).splitlines() or [""]]
+        return "\n".join(lines)
+
+
+class LiveView:
+    """A status line per rank while a cell runs; removed before the cell's stored output is printed."""
+
+    def __init__(self, world_size):
+        self.handle = None
+        self.shown_at = 0.0
+        self.world_size = world_size
+
+    def update(self, ranks, elapsed):
+        if elapsed < 0.5 or time.monotonic() - self.shown_at < 0.25:
+            return
+        from IPython.display import display
+
+        lines = [f"running on {self.world_size} ranks: {elapsed:.0f} s"]
+        for rk in ranks:
+            status = bar(*rk.progress) if rk.progress else rk.last_line
+            lines.append(f"[rank {rk.rank}] {status[:150]}")
+        data = {"text/plain": "\n".join(lines)}
+        if self.handle is None:
+            self.handle = display(data, raw=True, display_id=True)
+        else:
+            self.handle.update(data, raw=True)
+        self.shown_at = time.monotonic()
+
+    def close(self):
+        if self.handle is not None:
+            from IPython.display import clear_output
+
+            clear_output()
+            self.handle = None
+
+
+def _this_cell_name():
+    """'Cell In[N]' for the cell running now, as IPython names it in its own tracebacks."""
+    names = launcher.cell_names()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename in names:
+            return names[frame.f_code.co_filename]
+        frame = frame.f_back
+    return "<ddp cell>"
+
+
+def _cell_parser():
+    p = argparse.ArgumentParser(prog="%%ddp", add_help=False, exit_on_error=False)
+    p.add_argument("-n", "--world-size", type=int, default=None)
+    p.add_argument("--backend", default=None, choices=launcher.BACKENDS)
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--rank", type=int, default=None)
+    return p
+
+
+def _parse(line):
+    try:
+        args, rest = _cell_parser().parse_known_args(shlex.split(line))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"%%ddp: {exc}. Options: -n/--world-size N, --backend auto|gloo|nccl, "
+                         "--timeout SECONDS, --rank R") from None
+    if rest:
+        raise ValueError(f"%%ddp: unknown option(s) {' '.join(rest)}. Options: -n/--world-size N, "
+                         "--backend auto|gloo|nccl, --timeout SECONDS, --rank R")
+    return args
+
+
+def get_cluster(world_size=None, backend=None):
+    """The notebook's persistent cluster, (re)started if the requested shape differs."""
+    global _CLUSTER
+    c = _CLUSTER
+    if c is not None and ((world_size and world_size != c.world_size)
+                          or (backend and backend != c.requested_backend)):
+        shutdown_cluster()
+        c = None
+    if c is None:
+        c = _CLUSTER = launcher.Cluster(world_size=world_size or 2, backend=backend or "auto")
+    return c
+
+
+@magics_class
+class DDPMagics(Magics):
+    @line_cell_magic
+    def ddp(self, line, cell=None):
+        __tracebackhide__ = True
+        if cell is None:
+            return self._line(line)
+        args = _parse(line)
+        if args.rank is not None and not 0 <= args.rank < (args.world_size or (_CLUSTER.world_size if _CLUSTER else 2)):
+            raise ValueError(f"%%ddp --rank {args.rank}: there is no such rank. Ranks go from 0 to world_size - 1.")
+        cluster = get_cluster(args.world_size, args.backend)
+        filename = _this_cell_name()
+        make = cluster._code_message(cell, filename)
+        live = None if launcher._under_nbval() else LiveView(cluster.world_size)
+        values = cluster._request(make, args.timeout, live=live, only_rank=args.rank)
+        _CELLS.append((line, cell))
+        if all(v is None for v in values):
+            return None
+        out = RankValues(values)
+        out.only_rank = args.rank
+        return out
+
+    def _line(self, line):
+        words = shlex.split(line)
+        if not words:
+            return self._status()
+        cmd, rest = words[0], words[1:]
+        if cmd in ("pull", "push") and len(rest) != 1:
+            raise ValueError(f"usage: %ddp {cmd} NAME")
+        if cmd == "pull":
+            return RankValues(get_cluster().pull(rest[0]))
+        if cmd == "push":
+            name = rest[0]
+            if name not in self.shell.user_ns:
+                raise ValueError(f"%ddp push {name}: {name!r} is not defined in the notebook. Define it first.")
+            get_cluster().push(**{name: self.shell.user_ns[name]})
+            return None
+        if cmd == "restart":
+            get_cluster().restart()
+            print(f"restarted {_CLUSTER.world_size} {_CLUSTER.backend} ranks")
+            return None
+        if cmd == "shutdown":
+            shutdown_cluster()
+            return None
+        if cmd == "status":
+            return self._status()
+        if cmd == "export":
+            if len(rest) != 1:
+                raise ValueError("usage: %ddp export PATH")
+            from course_utils.export import write_script
+
+            write_script(rest[0], _CELLS)
+            print(f"wrote {len(_CELLS)} %%ddp cells to {rest[0]}; run it with: torchrun --nproc-per-node=2 {rest[0]}")
+            return None
+        raise ValueError(f"%ddp {cmd}: unknown command. Use pull NAME, push NAME, restart, status, shutdown or export PATH.")
+
+    def _status(self):
+        c = _CLUSTER
+        if c is None or not c.alive:
+            print("no cluster running: the next %%ddp cell starts one")
+            return None
+        print(f"{c.world_size} ranks, backend {c.backend}, timeout {c.timeout:g} s, "
+              f"{c.restarts} restart(s), worker pids {c.pids}")
+        return None
