@@ -25,9 +25,10 @@ class Pickler(cloudpickle.Pickler):
     the notebook's "Cell In[N]" for it), so a rank's traceback can show the cell's lines."""
 
     def __init__(self, file, rename=None):
-        super().__init__(file)
         self.rename = rename or {}
+        # the C pickler reads dispatch_table once, in __init__
         self.dispatch_table = ChainMap({types.CodeType: self._code_reduce}, cloudpickle.Pickler.dispatch_table)
+        super().__init__(file)
 
     def _code_reduce(self, code):
         name = self.rename.get(code.co_filename, code.co_filename)

@@ -219,7 +219,8 @@ class Worker:
                 _register_sources(sources)
                 fn, args, kwargs = cloudpickle.loads(blob)
                 g = getattr(fn, "__globals__", None)
-                if g is not None and g.get("__name__") == "__main__":  # defined in a notebook cell
+                module = sys.modules.get(g.get("__name__")) if g is not None else None
+                if g is not None and getattr(module, "__dict__", None) is not g:  # sent by value
                     for name in ("rank", "world_size", "local_rank", "device"):
                         g.setdefault(name, self.ns[name])
                 value = fn(*args, **kwargs)

@@ -270,6 +270,8 @@ class Cluster:
         self._stack_id = 0
         self._finalizer = None
         self._held = []  # (rank, lines) printed by ranks that were since replaced
+        self._done = {}  # run id -> {rank: (ok, value or error info)}
+        self._live = None
         self.started_at = None
         self.restarts = 0
         self._start()
@@ -420,7 +422,9 @@ class Cluster:
         for rk, m in msgs:
             if m[0] == "progress":
                 rk.progress = m[2:]
-        return [(rk, m) for rk, m in msgs if m[0] != "progress"]
+            elif m[0] == "done":  # kept per run, whichever loop happens to read it
+                self._done.setdefault(m[1], {}).setdefault(rk.rank, (m[3], m[4]))
+        return [(rk, m) for rk, m in msgs if m[0] not in ("progress", "done")]
 
     def _drain_streams(self, rk):
         for fd, name in rk.streams.items():
@@ -453,17 +457,17 @@ class Cluster:
             rk.progress = None
         self._run_id += 1
         run_id = self._run_id
+        self._done = {run_id: {}}
+        results = self._done[run_id]
+        self._live = live
         self._send_all(make)
-        results = {}
         t0 = time.monotonic()
         first_error_at = None
         try:
             while True:
-                for rk, msg in self._pump(0.05):
-                    if msg[0] == "done" and msg[1] == run_id:
-                        results[rk.rank] = (msg[3], msg[4])
-                        if not msg[3] and first_error_at is None:
-                            first_error_at = time.monotonic()
+                self._pump(0.05)
+                if first_error_at is None and any(not ok for ok, _ in results.values()):
+                    first_error_at = time.monotonic()
                 pending = [rk for rk in self._ranks if not self._complete(rk, results, run_id)]
                 if not pending:
                     break
@@ -478,12 +482,11 @@ class Cluster:
                 if now - t0 > timeout:
                     raise self._timeout_error(results, run_id, timeout, only_rank)
         except KeyboardInterrupt:
-            self._recover(run_id, results, interrupt=True)
+            self._recover(run_id, interrupt=True)
             self._show(only_rank)
             raise
         finally:
-            if live is not None:
-                live.close()
+            self._close_live()
         if any(not ok for ok, _ in results.values()) or len(results) < self.world_size:
             raise self._rank_error(results, run_id, only_rank)
         self._show(only_rank)
@@ -493,8 +496,14 @@ class Cluster:
     def _complete(rk, results, run_id):
         return rk.rank in results and rk.ended["stdout"] >= run_id and rk.ended["stderr"] >= run_id
 
+    def _close_live(self):
+        live, self._live = self._live, None
+        if live is not None:
+            live.close()
+
     def _show(self, only_rank):
         """Print every rank's output, grouped in rank order, so the stored output is deterministic."""
+        self._close_live()
         for rk in self._ranks:
             rk.flush_partial()
         held, self._held = self._held, []
@@ -529,10 +538,11 @@ class Cluster:
                     got[rk.rank] = msg[3]
         return got
 
-    def _recover(self, run_id, results, interrupt=False):
+    def _recover(self, run_id, interrupt=False):
         """Release every rank and rebuild the process group; replace the ranks if that fails.
 
         Returns a note for the error message."""
+        results = self._done.setdefault(run_id, {})
         live = [rk for rk in self._ranks if not rk.dead]
         for rk in live:
             try:
@@ -547,9 +557,7 @@ class Cluster:
                     pass
         deadline = time.monotonic() + RELEASE_S
         while time.monotonic() < deadline:
-            for rk, msg in self._pump(0.05):
-                if msg[0] == "done" and msg[1] == run_id:
-                    results.setdefault(rk.rank, (msg[3], msg[4]))
+            self._pump(0.05)
             if all(self._complete(rk, results, run_id) for rk in self._ranks) or any(rk.dead for rk in self._ranks):
                 break
         if all(self._complete(rk, results, run_id) for rk in self._ranks):
@@ -557,15 +565,14 @@ class Cluster:
             gen = self._generation
             self._run_id += 1
             reset_id = self._run_id
+            done = self._done.setdefault(reset_id, {})
             self._send_all(lambda rid: ("reset", rid, gen))
-            done = {}
             deadline = time.monotonic() + 30
-            while len(done) < self.world_size and time.monotonic() < deadline and not any(rk.dead for rk in self._ranks):
-                for rk, msg in self._pump(0.05):
-                    if msg[0] == "done" and msg[1] == reset_id:
-                        done[rk.rank] = msg[3]
-            if len(done) == self.world_size and all(done.values()) and all(
-                    self._complete(rk, {r: 1 for r in done}, reset_id) for rk in self._ranks):
+            while time.monotonic() < deadline and not any(rk.dead for rk in self._ranks):
+                self._pump(0.05)
+                if all(self._complete(rk, done, reset_id) for rk in self._ranks):
+                    break
+            if all(self._complete(rk, done, reset_id) and done[rk.rank][0] for rk in self._ranks):
                 return "The ranks were released and the process group rebuilt; names you defined are kept."
         self._replace(start=not interrupt)  # after an interrupt, start lazily: the cell returns now
         return "The ranks were replaced with fresh ones; names you defined on them are gone."
@@ -591,7 +598,8 @@ class Cluster:
         first = min(errors, key=lambda r: errors[r]["time"])
         running = [rk for rk in self._ranks if rk.rank not in results]
         stacks = self._stacks(running) if running else {}
-        note = self._recover(run_id, dict(results))
+        results = dict(results)  # what the ranks had done when the error was noticed
+        note = self._recover(run_id)
         self._show(only_rank)
         e = errors[first]
         others = {r: self._describe(r, results, stacks, first) for r in range(self.world_size) if r != first}
@@ -608,7 +616,7 @@ class Cluster:
         stuck = [rk for rk in self._ranks if rk.rank not in results]
         stacks = self._stacks(stuck)
         finished = sorted(results)
-        note = self._recover(run_id, dict(results))
+        note = self._recover(run_id)
         self._show(only_rank)
         lines = [f"{_plural(finished)} finished." if finished else "No rank finished."]
         states = {}
