@@ -1,0 +1,46 @@
+"""The environment check at the top of 00_launcher_tour: what the course needs, and what it found."""
+import importlib
+import platform
+import sys
+
+REQUIRED = [  # (import name, why the course needs it)
+    ("torch", "tensors, autograd and torch.distributed"),
+    ("cloudpickle", "sends notebook functions to the ranks"),
+    ("matplotlib", "plots"),
+    ("ipywidgets", "the interactive cost model in lesson 10"),
+    ("nbval", "runs the notebooks as tests"),
+]
+
+
+def check_environment(world_sizes=(1, 2, 4)):
+    """Print [OK]/[FAIL] per requirement, the devices, and the backend %%ddp would choose.
+
+    Introduced in 00_launcher_tour. Returns True when everything the course needs is there."""
+    from course_utils.launcher import _gpu_count, choose_backend
+
+    ok = True
+
+    def report(good, text):
+        nonlocal ok
+        ok &= bool(good)
+        print(f"[{'OK' if good else 'FAIL'}] {text}")
+
+    report(sys.version_info >= (3, 10), f"Python {platform.python_version()} (3.10 or newer)")
+    for name, why in REQUIRED:
+        try:
+            module = importlib.import_module(name)
+            report(True, f"{name} {getattr(module, '__version__', '')}: {why}")
+        except ImportError as exc:
+            report(False, f"{name} is missing ({exc}): run `make lab` to set up the environment")
+    import torch
+    import torch.distributed as dist
+
+    report(torch.__version__.startswith("2.13"), "torch 2.13 (the version the course is tested with)")
+    report(dist.is_available(), "torch.distributed is available")
+    report(dist.is_gloo_available(), "the gloo backend (CPU) is available")
+    gpus = _gpu_count()
+    print(f"devices: cpu{''.join(f', cuda:{i}' for i in range(gpus))} ({gpus} GPU{'s' if gpus != 1 else ''} visible)")
+    print(f"NCCL available: {dist.is_nccl_available()}")
+    for n in world_sizes:
+        print(f"%%ddp -n {n} would use: {choose_backend('auto', n)}")
+    return ok
