@@ -1,0 +1,194 @@
+"""``check_comm_hook``: does a DDP comm hook produce DDP's averaged gradients?
+
+Introduced in 08_comm_hooks. Called from the notebook process; the ranks train a small model
+twice, once with DDP's built-in all-reduce and once with the hook, and the notebook compares.
+"""
+import math
+
+__all__ = ["check_comm_hook"]
+
+_CLUSTERS = {}  # world_size -> Cluster started by this checker, reused across calls
+
+
+def _cluster_for(world_size):
+    """The %%ddp cluster when one is running (and no size is asked), else one cached per size."""
+    try:
+        from course_utils import magic
+
+        running = magic._CLUSTER
+    except (ImportError, AttributeError):
+        running = None
+    if running is not None and running.alive and running.world_size >= 2 and (
+            world_size is None or world_size == running.world_size):
+        return running
+    size = world_size or 2
+    cluster = _CLUSTERS.get(size)
+    if cluster is None or not cluster.alive:
+        from course_utils import Cluster
+
+        cluster = _CLUSTERS[size] = Cluster(world_size=size, backend="gloo")
+    return cluster
+
+
+def _short_error(exc):
+    """'Type: message' without torch's trailing 'At:' frames (their file names vary by machine)."""
+    msg = str(exc).split("\n\nAt:")[0].strip()
+    return f"{type(exc).__name__}: {msg}"
+
+
+def _on_rank(hook, state, steps, seed, lr):
+    """Runs on every rank: gradients of DDP's all-reduce and of the hook, step by step."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.data import make_regression
+    from course_utils.hooks import flat_grad
+    from course_utils.models import make_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = DDP(make_model(seed))
+    tested = DDP(make_model(seed))
+    out = {"grads": [], "error": None}
+    try:
+        if callable(state):
+            state = state()  # a factory: each rank builds its own state (PowerSGD keeps per-rank errors)
+        tested.register_comm_hook(state, hook)
+    except Exception as exc:
+        out["error"] = ("registering the hook", _short_error(exc))
+        return out
+    for step in range(steps):
+        x, y = make_regression(n=8 * world, d_in=16, seed=1000 + step)
+        x, y = x[rank::world], y[rank::world]  # each rank its own shard
+        reference.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        tested.zero_grad()
+        try:
+            torch.nn.functional.mse_loss(tested(x), y).backward()
+        except Exception as exc:
+            out["error"] = (f"step {step}", _short_error(exc))
+            return out
+        out["grads"].append((flat_grad(reference), flat_grad(tested)))
+        with torch.no_grad():  # both models take the reference step: they stay identical
+            for p, q in zip(reference.parameters(), tested.parameters()):
+                p -= lr * p.grad
+                q.copy_(p)
+    return out
+
+
+def _hint(message):
+    if "return annotation" in message:
+        return (" Hint: DDP inspects the hook's annotations: write "
+                "'-> torch.futures.Future[torch.Tensor]' or leave the return annotation out.")
+    if "'list'" in message:
+        return (" Hint: fut.value() of an all-reduce future is a LIST holding one tensor: "
+                "use fut.value()[0].")
+    if "must be a single tensor" in message or "single tensor" in message:
+        return " Hint: the future must hold ONE tensor, the reduced bucket buffer (same shape as bucket.buffer())."
+    if "shape" in message or "size" in message:
+        return " Hint: the future's tensor must have the shape of bucket.buffer()."
+    return ""
+
+
+def _diagnose(got, ref, world_size, rtol):
+    """A sentence explaining how ``got`` differs from ``ref`` (both float64 vectors)."""
+    from course_utils.hooks import relative_error
+
+    ref_sq = float(ref.dot(ref))
+    scale = float(got.dot(ref)) / ref_sq if ref_sq > 0 else 0.0
+
+    if float(got.norm()) == 0.0:
+        return ("the hook's gradients are all ZERO: did the future return a fresh tensor that was never "
+                "filled, or the buffer before the all-reduce finished?")
+    residual = relative_error(got, scale * ref) if scale != 0 else math.inf
+    if residual <= max(rtol, 1e-4):
+        if abs(scale - world_size) <= 1e-3 * world_size:
+            return (f"the hook returns the SUM of the ranks' gradients, {world_size} (= world_size) times the "
+                    "mean DDP uses. DDP does not divide for you: divide the bucket by world_size "
+                    "(before the all-reduce, to avoid overflow in low precision).")
+        if abs(scale - 1 / world_size) <= 1e-3 / world_size:
+            return (f"the hook's gradients are 1/{world_size} of DDP's: it divides by world_size twice.")
+        return (f"the hook's gradients are {scale:.4g} times DDP's (same direction, wrong scale). "
+                f"Look for a factor applied on one side of the all-reduce and not undone on the other.")
+    err = relative_error(got, ref)
+    if err < 0.5:
+        return (f"the hook's gradients are close to DDP's average but not within the tolerance: relative "
+                f"error {err:.2e}, allowed rtol={rtol:g}. A lossy (compressed) hook is never exact: if "
+                f"that is what you wrote, pass a looser tolerance, e.g. rtol={_looser(err):g}.")
+    return (f"the hook's gradients differ from DDP's average by a relative error of {err:.2e} "
+            f"(allowed: rtol={rtol:g}), and they are not a scaled copy either: garbage. Is every rank "
+            "reducing the same elements, and is the result copied back in the right order?")
+
+
+def _looser(err):
+    """A round tolerance a little above ``err``: 4.1e-4 -> 1e-3."""
+    return 10 ** math.ceil(math.log10(err * 1.5))
+
+
+def check_comm_hook(hook, state=None, rtol=1e-5, *, steps=3, world_size=None, cluster=None,
+                    seed=0, lr=0.1, timeout=60, quiet=False):
+    """Check that DDP with ``hook`` gives the gradients of DDP's default all-reduce.
+
+    Introduced in 08_comm_hooks. Each rank trains a TinyMLP for ``steps`` steps on its own shard
+    of a regression batch, twice: with DDP's built-in all-reduce and with
+    ``register_comm_hook(state, hook)``. After each step both models take the same (reference)
+    SGD step, so every step compares like with like. DDP rebuilds its buckets after step 0, as
+    in real training (this small model's gradients fit in one bucket).
+
+    - ``state``: passed to ``register_comm_hook``; a zero-argument callable (e.g. a lambda
+      building a ``PowerSGDState``) is called on each rank to build a fresh per-rank state.
+    - ``rtol``: allowed relative error ``||g_hook - g_ddp|| / ||g_ddp||`` per step. The default
+      suits lossless hooks; loosen it for compressed ones (fp16 ~1e-3, bf16 ~1e-2, PowerSGD more).
+    - Runs on the ``%%ddp`` cluster when one is running, else on a ``world_size``-rank cluster
+      (default 2) that is started once and reused; or pass ``cluster=``.
+
+    Raises ``AssertionError`` explaining what is wrong: the hook raised (with the rank's
+    exception), returned the sum (off by a factor of world_size), or returned garbage.
+    Prints one line when the hook is right.
+    """
+    __tracebackhide__ = True
+    import torch
+
+    name = getattr(hook, "__name__", repr(hook))
+    if not callable(hook):
+        raise AssertionError(f"check_comm_hook: {name} is not a function. Pass the hook itself: "
+                             "check_comm_hook(my_hook), not check_comm_hook(my_hook(...)).")
+    cluster = cluster or _cluster_for(world_size)
+    world = cluster.world_size
+    results = cluster.run(_on_rank, hook, state, steps, seed, lr, timeout=timeout)
+
+    for r, res in enumerate(results):
+        if res["error"] is not None:
+            when, message = res["error"]
+            raise AssertionError(f"{name} raised on rank {r} ({when}): {message.rstrip('.')}.{_hint(message)}")
+    for r, res in enumerate(results):
+        for step, (_, got) in enumerate(res["grads"]):
+            if not bool(torch.isfinite(got).all()):
+                raise AssertionError(
+                    f"{name} produced inf/nan gradients on rank {r} at step {step}: an overflow? "
+                    "float16 overflows above 65504: divide by world_size BEFORE the all-reduce.")
+    errors = []
+    for step in range(steps):
+        ref = results[0]["grads"][step][0]
+        got0 = results[0]["grads"][step][1]
+        for r in range(1, world):
+            if not torch.equal(results[r]["grads"][step][1], got0):
+                gap = (results[r]["grads"][step][1] - got0).abs().max().item()
+                raise AssertionError(
+                    f"{name}: after step {step}, rank {r}'s gradients differ from rank 0's (max gap {gap:.3g}). "
+                    "After an all-reduce every rank must hold the same values: does the hook "
+                    "communicate at all, and do all ranks do the same thing?")
+        err = _relative(got0, ref)
+        errors.append(err)
+        if not err <= rtol:
+            raise AssertionError(f"{name} is wrong at step {step} on {world} ranks: "
+                                 + _diagnose(got0, ref, world, rtol))
+    if not quiet:
+        print(f"check_comm_hook: {name} matches DDP's all-reduce on {world} ranks over {steps} steps "
+              f"(max relative error {max(errors):.1e}, rtol={rtol:g})")
+
+
+def _relative(got, ref):
+    from course_utils.hooks import relative_error
+
+    return relative_error(got, ref)

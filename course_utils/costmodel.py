@@ -1,0 +1,565 @@
+"""A step-time model for data-parallel training: alpha-beta communication plus compute.
+
+Introduced in 10_tradeoffs. One training step of W ranks, each running ``accum_steps``
+micro-batches of ``micro_batch`` samples through a model of P parameters, then one
+all-reduce of the gradient (fp32, 4 bytes per parameter, divided by the compression ratio):
+
+    compute  = accum_steps * (overhead + 6 * P * micro_batch / flop_rate)
+    comm     = 2 (W-1) * alpha  +  2 (W-1)/W * bytes * beta          (ring all-reduce)
+    exposed  = comm, or max(0, comm - backward of the last micro-step)  with overlap
+    step     = compute + exposed + codec + update
+
+6 FLOP per parameter per sample is the usual forward (2) + backward (4) count for
+matmul-heavy models. ``alpha`` is the latency of one ring hop, ``beta`` the seconds per byte
+of one link (1 / bandwidth). Every figure is calibrated on this machine by ``calibrate``.
+The model assumes identical ranks, one device per rank and no contention: the lesson shows
+where a real measurement leaves it.
+"""
+import base64
+import dataclasses
+import functools
+import io
+import time
+
+FLOP_PER_PARAM_PER_SAMPLE = 6
+BYTES_PER_PARAM = 4  # fp32 gradients
+SLIDERS = ("world size", "model size", "bandwidth", "latency", "micro-batch", "accum steps", "compression")
+
+
+# -- the model ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The machine's figures the model needs. Introduced in 10_tradeoffs.
+
+    alpha: s per ring hop; beta: s per byte on one link; flop_rate: FLOP/s of one rank;
+    overhead: s per micro-step that does not grow with the batch (Python, kernel launches);
+    update_per_param: s per parameter for the optimizer step and gradient copies;
+    codec_per_param: s per parameter to compress and decompress a gradient (a bf16 round trip);
+    codec_overhead: s per step to compress at all (kernel launches; 0 when not measured);
+    world_size: the world size alpha and beta were measured at.
+    """
+    alpha: float
+    beta: float
+    flop_rate: float
+    overhead: float = 0.0
+    update_per_param: float = 0.0
+    codec_per_param: float = 0.0
+    codec_overhead: float = 0.0
+    world_size: int = 2
+
+    @property
+    def bandwidth(self):
+        """Bytes per second of one link: 1 / beta."""
+        return 1.0 / self.beta
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, split by where they go. Introduced in 10_tradeoffs."""
+    compute: float
+    comm: float
+    exposed: float
+    codec: float
+    update: float
+    total: float
+    samples: int
+
+    @property
+    def efficiency(self):
+        """Scaling efficiency: one rank's step time (no communication) over this step time."""
+        return (self.compute + self.update) / self.total
+
+    @property
+    def comm_share(self):
+        """Fraction of the step spent in exposed communication and compression."""
+        return (self.exposed + self.codec) / self.total
+
+
+def allreduce_time(n_bytes, world_size, alpha, beta):
+    """Ring all-reduce: 2(W-1) hops of latency alpha, each rank sends 2(W-1)/W x n_bytes.
+
+    Introduced in 10_tradeoffs (the byte count is lesson 03's bound)."""
+    if world_size <= 1:
+        return 0.0
+    return 2 * (world_size - 1) * alpha + 2 * (world_size - 1) / world_size * n_bytes * beta
+
+
+def micro_step_time(cal, params, micro_batch):
+    """Forward + backward of one micro-batch on one rank."""
+    return cal.overhead + FLOP_PER_PARAM_PER_SAMPLE * params * micro_batch / cal.flop_rate
+
+
+def predict(cal, *, world_size, params, micro_batch, accum_steps=1, compression=1.0, overlap=False):
+    """The model's ``StepTime`` for one configuration. Introduced in 10_tradeoffs.
+
+    ``compression``: bytes on the wire are divided by it (2 for bf16/fp16). It costs
+    ``codec_overhead + codec_per_param * params`` when above 1. ``overlap``: the all-reduce runs during
+    the last micro-step's backward (2/3 of its compute), as DDP's buckets do (lesson 07).
+    """
+    if world_size < 1 or params <= 0 or micro_batch < 1 or accum_steps < 1 or compression < 1:
+        raise ValueError("world_size, micro_batch and accum_steps must be >= 1, params > 0, compression >= 1")
+    compute = accum_steps * micro_step_time(cal, params, micro_batch)
+    n_bytes = BYTES_PER_PARAM * params / compression
+    comm = allreduce_time(n_bytes, world_size, cal.alpha, cal.beta)
+    hidden = 0.0
+    if overlap and world_size > 1:
+        hidden = 2 / 3 * FLOP_PER_PARAM_PER_SAMPLE * params * micro_batch / cal.flop_rate
+    exposed = max(0.0, comm - hidden)
+    codec = cal.codec_overhead + params * cal.codec_per_param if (compression > 1 and world_size > 1) else 0.0
+    update = params * cal.update_per_param
+    total = compute + exposed + codec + update
+    return StepTime(compute, comm, exposed, codec, update, total, world_size * accum_steps * micro_batch)
+
+
+# -- calibration ----------------------------------------------------------------------------
+def _weighted_line(xs, ts):
+    """Least squares t = a + b x, weighted by 1/t (relative error), a and b kept >= 0."""
+    w = [1.0 / t ** 2 for t in ts]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs))
+    st = sum(wi * t for wi, t in zip(w, ts))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxt = sum(wi * x * t for wi, x, t in zip(w, xs, ts))
+    det = sw * sxx - sx * sx
+    b = (sw * sxt - sx * st) / det
+    a = (st - b * sx) / sw
+    if a < 0:  # a line through the origin
+        a, b = 0.0, sxt / sxx
+    if b <= 0:  # flat: no size dependence measurable
+        a, b = st / sw, 1e-15
+    return a, b
+
+
+def fit_alpha_beta(sizes, times, world_size):
+    """Fit the ring model to all-reduce times: (alpha s per hop, beta s per byte).
+
+    ``sizes`` in bytes, ``times`` in seconds, measured at ``world_size`` ranks.
+    Introduced in 10_tradeoffs."""
+    if world_size < 2:
+        raise ValueError("an all-reduce on one rank sends nothing: measure with world_size >= 2")
+    a, b = _weighted_line(sizes, times)
+    hops = 2 * (world_size - 1)
+    return a / hops, b * world_size / hops
+
+
+def fit_compute(params, micro_batches, times):
+    """Fit t = overhead + 6 P mb / flop_rate to forward+backward times: (overhead s, flop_rate FLOP/s)."""
+    a, b = _weighted_line(micro_batches, times)
+    return a, FLOP_PER_PARAM_PER_SAMPLE * params / b
+
+
+def _best_time(fn, repeats):
+    """Best of ``repeats`` timings: other processes only ever add time, so the minimum is the
+    least disturbed estimate of the cost itself."""
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def measure_allreduce(sizes, repeats=7):
+    """Run on every rank: best-of-``repeats`` seconds of ``dist.all_reduce`` of an fp32 tensor of each size.
+
+    A barrier before each call starts the ranks together, so the time is the collective's, not
+    another rank's lateness. Introduced in 10_tradeoffs."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for n_bytes in sizes:
+        t = torch.ones(max(1, n_bytes // 4))
+        dist.all_reduce(t)  # warm-up: connections, buffers
+
+        def once():
+            dist.all_reduce(t)
+        ts = []
+        for _ in range(repeats):
+            dist.barrier()
+            ts.append(_best_time(once, 1))
+        out.append(min(ts))
+    return out
+
+
+def measure_compute(micro_batches, d_in, d_hidden, repeats=5):
+    """Run on every rank: best-of-``repeats`` forward+backward seconds per micro-batch size for
+    ``make_model(d_in=d_in, d_hidden=d_hidden)``, and the per-parameter cost of the optimizer
+    step with its gradient copies and of a bf16 round trip of the gradient."""
+    import torch
+    import torch.distributed as dist
+
+    from course_utils.models import make_model
+
+    model = make_model(seed=0, d_in=d_in, d_hidden=d_hidden)
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    fwd_bwd = []
+    for mb in micro_batches:
+        x, y = torch.randn(mb, d_in, generator=g), torch.randn(mb, 1, generator=g)
+
+        def once():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        once()
+        dist.barrier()  # both ranks compute at the same time, as in training
+        fwd_bwd.append(_best_time(once, repeats))
+
+    grads = [p.grad for p in model.parameters()]
+
+    def update():
+        flat = torch.cat([gr.reshape(-1) for gr in grads])
+        flat /= 2
+        for gr, chunk in zip(grads, flat.split([gr.numel() for gr in grads])):
+            gr.copy_(chunk.view_as(gr))
+        optimizer.step()
+    flat = torch.cat([gr.reshape(-1) for gr in grads])
+
+    def codec():
+        flat.to(torch.bfloat16).to(torch.float32)
+    update()
+    codec()
+    return {"params": params, "fwd_bwd": fwd_bwd,
+            "update_per_param": _best_time(update, repeats) / params,
+            "codec_per_param": _best_time(codec, repeats) / params}
+
+
+def saved_sweep(world_size):
+    """Lesson 04's saved all-reduce sweep at ``world_size`` ranks: (sizes in bytes, seconds), or None
+    when lesson 04 has not saved one here (or saved it at another world size)."""
+    try:
+        from course_utils import bench
+        data = bench.load_measurements()
+    except (ImportError, OSError, ValueError):
+        return None
+    if not data or data.get("op") != "all_reduce" or data.get("world_size") != world_size:
+        return None
+    rows = [r for r in data.get("rows", []) if r.get("time_s", 0) > 0]
+    if len(rows) < 2:
+        return None
+    return [r["bytes"] for r in rows], [r["time_s"] for r in rows]
+
+
+def sweep_allreduce(cluster, sizes):
+    """All-reduce seconds per size on ``cluster``'s ranks, the slowest rank's best of several.
+
+    Not lesson 04's ``bench.sweep``: that one reports the mean of a timed loop (right for its
+    bandwidth tables), while a fit on a shared machine needs the least disturbed time."""
+    return [max(ts) for ts in zip(*cluster.run(measure_allreduce, sizes))]
+
+
+@dataclasses.dataclass
+class CalibrationRun:
+    """What ``calibrate`` measured, kept for the plots: the fitted ``Calibration`` and its data."""
+    cal: Calibration
+    params: int
+    sizes: list
+    allreduce_times: list
+    micro_batches: list
+    compute_times: list
+    source: str
+
+
+def calibrate(cluster, *, d_in, d_hidden, sizes=None, micro_batches=(1, 4, 16, 64), use_saved=True):
+    """Measure this machine's figures on ``cluster``'s ranks and fit the model.
+
+    alpha and beta come from lesson 04's saved sweep when it exists at this world size
+    (``use_saved``), else from an all-reduce sweep here; compute figures are always measured
+    here, for the lesson's model. The slowest rank's times count. Introduced in 10_tradeoffs."""
+    saved = saved_sweep(cluster.world_size) if use_saved else None
+    if saved is not None:
+        (sizes, ar_times), source = saved, "lesson 04's sweep"
+    else:
+        sizes = list(sizes or [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 21, 1 << 22, 1 << 23])
+        ar_times, source = sweep_allreduce(cluster, sizes), "measured here"
+    alpha, beta = fit_alpha_beta(sizes, ar_times, cluster.world_size)
+
+    per_rank = cluster.run(measure_compute, list(micro_batches), d_in, d_hidden)
+    params = per_rank[0]["params"]
+    comp_times = [max(ts) for ts in zip(*(r["fwd_bwd"] for r in per_rank))]
+    overhead, flop_rate = fit_compute(params, list(micro_batches), comp_times)
+    cal = Calibration(alpha=alpha, beta=beta, flop_rate=flop_rate, overhead=overhead,
+                      update_per_param=max(r["update_per_param"] for r in per_rank),
+                      codec_per_param=max(r["codec_per_param"] for r in per_rank),
+                      world_size=cluster.world_size)
+    return CalibrationRun(cal, params, list(sizes), ar_times, list(micro_batches), comp_times, source)
+
+
+def describe(cal):
+    """The calibration in words, every figure with a unit (so nbval's sanitizer hides the values)."""
+    sec_per_gflop = 1e9 / cal.flop_rate
+    return "\n".join([
+        f"latency alpha:   {cal.alpha * 1e6:.1f} us per ring hop",
+        f"bandwidth 1/beta: {cal.bandwidth / 1e9:.3f} GB/s per link",
+        f"compute:         {sec_per_gflop * 1e3:.1f} ms per GFLOP (forward + backward = 6 FLOP/param/sample)",
+        f"overhead:        {cal.overhead * 1e6:.1f} us per micro-step",
+        f"optimizer step:  {cal.update_per_param * 1e9:.2f} ns per parameter",
+        f"bf16 round trip: {cal.codec_per_param * 1e9:.2f} ns per parameter",
+    ])
+
+
+# -- memory (the FAQ) ------------------------------------------------------------------------------
+def memory_per_rank(params, world_size=1, strategy="ddp", *, weight_bytes=4, grad_bytes=None,
+                    optimizer_bytes=8, trainable_params=None):
+    """GB of model state on one rank: weights + gradients + optimizer state. Activations not counted.
+
+    ``optimizer_bytes`` per trainable parameter: 8 for Adam's two fp32 moments, 12 with mixed
+    precision's fp32 master copy. ``trainable_params``: fewer than ``params`` for LoRA (frozen
+    base weights have no gradient and no optimizer state). ``strategy``: "ddp" keeps a full
+    replica on every rank; "zero1" shards the optimizer state, "zero2" also the gradients,
+    "fsdp" (ZeRO-3) also the weights. Introduced in 10_tradeoffs."""
+    trainable = params if trainable_params is None else trainable_params
+    grad_bytes = weight_bytes if grad_bytes is None else grad_bytes
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, world_size), "zero2": (1, world_size, world_size),
+             "fsdp": (world_size, world_size, world_size)}
+    if strategy not in shard:
+        raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(shard)}")
+    sw, sg, so = shard[strategy]
+    return (params * weight_bytes / sw + trainable * grad_bytes / sg + trainable * optimizer_bytes / so) / 1e9
+
+
+# -- plots --------------------------------------------------------------------------------------
+def _style(ax, title, xlabel, ylabel):
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def plot_calibration(run):
+    """Two panels: all-reduce time against size with the fitted ring model, and forward+backward
+    time against micro-batch with the fitted compute line."""
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    cal = run.cal
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a1.loglog(run.sizes, [t * 1e3 for t in run.allreduce_times], "o", label=f"measured ({run.source})")
+    xs = [run.sizes[0] * (run.sizes[-1] / run.sizes[0]) ** (i / 40) for i in range(41)]
+    a1.loglog(xs, [allreduce_time(x, cal.world_size, cal.alpha, cal.beta) * 1e3 for x in xs], "-",
+              label="ring model")
+    a1.legend(fontsize=8)
+    a1.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    a1.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    _style(a1, f"all-reduce on {cal.world_size} ranks", "bytes", "ms")
+    a2.plot(run.micro_batches, [t * 1e3 for t in run.compute_times], "o", label="measured")
+    mbs = range(1, max(run.micro_batches) + 1)
+    a2.plot(mbs, [micro_step_time(cal, run.params, m) * 1e3 for m in mbs], "-", label="overhead + 6P mb / F")
+    a2.legend(fontsize=8)
+    _style(a2, f"forward + backward, {run.params:,} parameters", "micro-batch size", "ms")
+    fig.tight_layout()
+    return fig
+
+
+def plot_ranks(compute, step, title="one step per rank, from a common start"):
+    """Horizontal bars per rank: compute, then waiting in the all-reduce until the step ends."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 1.4 + 0.45 * len(compute)))
+    ranks = range(len(compute))
+    ax.barh(ranks, [c * 1e3 for c in compute], color="tab:blue", label="compute")
+    ax.barh(ranks, [(s - c) * 1e3 for c, s in zip(compute, step)], left=[c * 1e3 for c in compute],
+            color="tab:orange", label="all-reduce (incl. waiting)")
+    ax.axvline(max(compute) * 1e3, color="k", ls="--", lw=1, label="slowest compute")
+    ax.set_yticks(list(ranks), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
+    _style(ax, title, "ms since the common start", "")
+    fig.tight_layout()
+    return fig
+
+
+def plot_sweep(rows, predictions=None):
+    """Measured compute and communication per configuration (stacked bars), and the model's
+    predicted step time as markers. ``rows``: dicts with micro_batch, accum_steps, compute, comm."""
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [f"mb={r['micro_batch']}\nK={r['accum_steps']}" for r in rows]
+    xs = range(len(rows))
+    a1.bar(xs, [r["compute"] * 1e3 for r in rows], color="tab:blue", label="compute (measured)")
+    a1.bar(xs, [r["comm"] * 1e3 for r in rows], bottom=[r["compute"] * 1e3 for r in rows],
+           color="tab:orange", label="all-reduce (measured)")
+    if predictions is not None:
+        a1.plot(xs, [p.total * 1e3 for p in predictions], "k_", markersize=18, mew=2, label="model: step")
+    a1.set_xticks(list(xs), labels, fontsize=7)
+    a1.legend(fontsize=8)
+    _style(a1, "one step: compute vs communication", "", "ms")
+    share = [r["comm"] / (r["comm"] + r["compute"]) for r in rows]
+    a2.bar(xs, share, color=["tab:orange" if s > 0.5 else "tab:blue" for s in share])
+    if predictions is not None:
+        a2.plot(xs, [p.comm_share for p in predictions], "k_", markersize=14, mew=2, label="model")
+        a2.legend(fontsize=8)
+    a2.axhline(0.5, color="k", lw=1, ls="--")
+    a2.set_xticks(list(xs), labels, fontsize=7)
+    a2.set_ylim(0, 1)
+    _style(a2, "communication share (orange: dominates)", "", "comm / step")
+    fig.tight_layout()
+    return fig
+
+
+def plot_agreement(measured, predicted, labels):
+    """Measured against predicted step time, with the y = x line and a factor-2 band."""
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(4.8, 4.2))
+    m = [t * 1e3 for t in measured]
+    p = [t * 1e3 for t in predicted]
+    lo, hi = min(m + p) / 2, max(m + p) * 2
+    ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="agree")
+    ax.fill_between([lo, hi], [lo / 2, hi / 2], [lo * 2, hi * 2], color="0.9", label="within 2x")
+    ax.scatter(p, m, zorder=3)
+    for x, y, text in zip(p, m, labels):
+        ax.annotate(text, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.legend(fontsize=8, loc="upper left")
+    _style(ax, "model vs measurement", "predicted step (ms)", "measured step (ms)")
+    fig.tight_layout()
+    return fig
+
+
+WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def draw_model(fig, cal, *, world_size, params, micro_batch, accum_steps, compression=1.0, overlap=False):
+    """Draw the cost model's three panels on ``fig``: step time split by world size, scaling
+    efficiency by world size, and the exposed communication share by accumulation steps."""
+    kw = dict(params=params, micro_batch=micro_batch, compression=compression, overlap=overlap)
+    now = predict(cal, world_size=world_size, accum_steps=accum_steps, **kw)
+    sizes = sorted(set(WORLD_SIZES) | {world_size})
+    rows = [predict(cal, world_size=w, accum_steps=accum_steps, **kw) for w in sizes]
+    a1, a2, a3 = fig.subplots(1, 3)
+    xs = range(len(sizes))
+    ms = lambda v: [x * 1e3 for x in v]
+    bottom = [0.0] * len(rows)
+    for name, color in (("compute", "tab:blue"), ("update", "tab:green"), ("exposed", "tab:orange"),
+                        ("codec", "tab:red")):
+        vals = ms(getattr(r, name) for r in rows)
+        label = {"exposed": "exposed comm", "update": "optimizer", "codec": "compress"}.get(name, name)
+        a1.bar(xs, vals, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    i = sizes.index(world_size)
+    a1.bar([i], [bottom[i]], color="none", edgecolor="tab:red", lw=2)
+    a1.set_xticks(list(xs), [str(w) for w in sizes], fontsize=8)
+    a1.legend(fontsize=7)
+    _style(a1, "step time", "world size", "ms")
+    a2.plot(sizes, [r.efficiency for r in rows], "o-")
+    a2.plot([world_size], [now.efficiency], "o", color="tab:red", markersize=9)
+    a2.set_xscale("log", base=2)
+    a2.set_xticks(sizes, [str(x) for x in sizes], fontsize=8)
+    a2.minorticks_off()
+    a2.set_ylim(0, 1.05)
+    _style(a2, "scaling efficiency", "world size", "T(1) / T(W)")
+    ks = [1, 2, 4, 8, 16, 32, 64]
+    for mb, style in ((max(1, micro_batch // 4), ":"), (micro_batch, "-"), (micro_batch * 4, "--")):
+        shares = [predict(cal, world_size=world_size, accum_steps=k, **{**kw, "micro_batch": mb}).comm_share
+                  for k in ks]
+        a3.plot(ks, shares, style, label=f"micro-batch {mb}")
+    a3.plot([accum_steps], [now.comm_share], "o", color="tab:red", markersize=9)
+    a3.axhline(0.5, color="k", lw=1, ls="--")
+    a3.set_xscale("log", base=2)
+    a3.set_xticks(ks, [str(k) for k in ks], fontsize=8)
+    a3.minorticks_off()
+    a3.set_ylim(0, 1)
+    a3.legend(fontsize=7)
+    _style(a3, f"exposed communication, W={world_size}", "accum steps", "share of the step")
+    fig.suptitle(f"W={world_size}, P={params / 1e6:.3g}M, {cal.bandwidth / 1e9:.3g} GB/s, "
+                 f"{cal.alpha * 1e6:.3g} us/hop, mb={micro_batch}, K={accum_steps}, compression {compression:.3g}x"
+                 f" -> step {now.total * 1e3:.3g} ms, efficiency {now.efficiency:.0%}", fontsize=9)
+    fig.tight_layout()
+    return now
+
+
+def plot_model(cal, **config):
+    """The cost model's figure for one configuration (a static picture of the widget's state)."""
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(12, 3.8))
+    draw_model(fig, cal, **config)
+    return fig
+
+
+def _png(cal, config):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 3.8))  # not pyplot: nothing is shown in the cell by accident
+    draw_model(fig, cal, **config)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+def cost_model_widget(cal, *, world_size, params, micro_batch, accum_steps=1, compression=1.0, overlap=False):
+    """Sliders for the model's inputs and its figure, redrawn when a slider is released.
+
+    Defaults: bandwidth and latency from ``cal`` (measured), the rest from the arguments.
+    The figure is an image in an Output widget, set directly on the widget, so that no output
+    reaches the cell itself (nbval then sees the same output in every run). The panel's text form
+    names the sliders only, never their (measured) values. Introduced in 10_tradeoffs."""
+    import ipywidgets as w
+
+    common = dict(continuous_update=False, style={"description_width": "90px"},
+                  layout=w.Layout(width="330px"))
+    sliders = {
+        "world_size": w.IntSlider(value=world_size, min=1, max=128, description="world size", **common),
+        "model_m": w.FloatLogSlider(value=params / 1e6, base=10, min=-3, max=4, step=0.05,
+                                    description="model size", readout_format=".3g", **common),
+        "bandwidth_gbs": w.FloatLogSlider(value=cal.bandwidth / 1e9, base=10, min=-2, max=3, step=0.05,
+                                          description="bandwidth", readout_format=".3g", **common),
+        "latency_us": w.FloatLogSlider(value=cal.alpha * 1e6, base=10, min=-1, max=4, step=0.05,
+                                       description="latency", readout_format=".3g", **common),
+        "micro_batch": w.IntSlider(value=micro_batch, min=1, max=256, description="micro-batch", **common),
+        "accum_steps": w.IntSlider(value=accum_steps, min=1, max=64, description="accum steps", **common),
+        "compression": w.FloatLogSlider(value=compression, base=2, min=0, max=8, step=0.25,
+                                        description="compression", readout_format=".3g", **common),
+    }
+    units = {"model_m": "M params", "bandwidth_gbs": "GB/s", "latency_us": "µs/hop", "compression": "x"}
+    overlap_box = w.Checkbox(value=overlap, description="overlap with backward (DDP buckets)", indent=False)
+    out = w.Output(layout=w.Layout(min_height="320px"))
+
+    def config():
+        v = {k: s.value for k, s in sliders.items()}
+        c = dataclasses.replace(cal, beta=1.0 / (v["bandwidth_gbs"] * 1e9), alpha=v["latency_us"] * 1e-6)
+        return c, dict(world_size=v["world_size"], params=v["model_m"] * 1e6, micro_batch=v["micro_batch"],
+                       accum_steps=v["accum_steps"], compression=v["compression"], overlap=overlap_box.value)
+
+    def redraw(_change=None):
+        c, cfg = config()
+        panel.png = _png(c, cfg)
+        out.outputs = ({"output_type": "display_data", "metadata": {},
+                        "data": {"image/png": base64.b64encode(panel.png).decode("ascii"),
+                                 "text/plain": "<cost model figure>"}},)
+
+    rows = [w.HBox([s, w.Label(units.get(k, ""))]) for k, s in sliders.items()]
+    for s in [*sliders.values(), overlap_box]:
+        s.observe(redraw, names="value")
+    panel = _panel_class()([w.HBox([w.VBox(rows[:4]), w.VBox(rows[4:] + [overlap_box])]), out])
+    panel.sliders, panel.overlap, panel.output, panel.redraw = sliders, overlap_box, out, redraw
+    redraw()
+    return panel
+
+
+def static_figure(panel):
+    """The panel's current figure as a plain image output, which a saved notebook keeps."""
+    from IPython.display import Image
+
+    return Image(data=panel.png, format="png")
+
+
+@functools.lru_cache(maxsize=None)
+def _panel_class():
+    import ipywidgets as w
+
+    class CostModelPanel(w.VBox):
+        """A VBox whose text form names the sliders but never their values, which are measured."""
+
+        def __repr__(self):
+            return "CostModelPanel(sliders: " + ", ".join(SLIDERS) + ")"
+
+    return CostModelPanel

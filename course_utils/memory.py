@@ -1,0 +1,183 @@
+"""Measure what one training step keeps in memory, from the tensors themselves.
+
+Introduced in 01_data_parallelism (reused in 05_manual_gradient_averaging and later lessons).
+
+Four kinds of memory live on every data-parallel rank:
+
+- ``parameters``: the model's weights (a full replica on every rank),
+- ``gradients``: one ``.grad`` per parameter, the same size again,
+- ``optimizer_state``: what the optimizer keeps between steps (Adam: ``exp_avg`` and
+  ``exp_avg_sq``, two more copies, plus a one-element ``step`` per parameter),
+- ``activations``: the tensors autograd saves in the forward pass to use in backward.
+  They depend on the micro-batch size, not on the number of ranks.
+
+Nothing here is estimated from formulas: model state is summed from the tensors that exist
+after an optimizer step, and activations are counted as autograd saves them, through
+``torch.autograd.graph.saved_tensors_hooks``. All sizes are in bytes (ints).
+"""
+import torch
+
+__all__ = ["ActivationMeter", "measure_step_memory", "tensor_bytes", "format_bytes", "MEMORY_KINDS"]
+
+MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "activations")
+
+
+def tensor_bytes(tensors):
+    """Bytes held by ``tensors`` (an iterable; ``None`` entries are skipped).
+
+    Each tensor counts ``numel() * element_size()`` once: a tensor passed twice (tied weights)
+    is counted once. Introduced in 01_data_parallelism.
+    """
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return int(total)
+
+
+def _storage_key(t):
+    s = t.untyped_storage()
+    return (t.device.type, t.device.index, s.data_ptr()) if s.data_ptr() else ("id", id(s))
+
+
+def _byte_span(t):
+    """``(start, end)`` byte offsets of the part of its storage that ``t`` can reach."""
+    es = t.element_size()
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.storage_offset() * es
+    reach = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return (start, start + reach * es)
+
+
+def _union_length(spans):
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+class ActivationMeter:
+    """Count the bytes autograd saves for backward while the ``with`` block runs.
+
+    Introduced in 01_data_parallelism::
+
+        with ActivationMeter(exclude=model.parameters()) as meter:
+            loss = loss_fn(model(x), y)
+        meter.bytes          # bytes of the unique saved tensors (int)
+        meter.count          # how many distinct storages they live in
+
+    Every tensor that an operation saves for its backward goes through
+    ``torch.autograd.graph.saved_tensors_hooks``. The meter deduplicates by storage: a ReLU's
+    output saved by the ReLU and again by the next Linear is one tensor in memory, so it counts
+    once. Within a storage it counts the bytes the saved views reach (their union), so a slice
+    ``x[:16]`` of a bigger batch counts 16 rows. Storages of the tensors in ``exclude`` (usually
+    the parameters, which are model state, not activations) are not counted. The input batch
+    and the targets count when an operation saves them: they too stay alive for backward.
+    The meter only observes; saved tensors pass through unchanged. Hooks registered inside
+    the block (activation checkpointing uses them) take precedence over the meter's, so what
+    they save in their own way is not seen.
+
+    ``saved`` lists ``(grad_fn_name_or_None, shape, dtype)`` of each saved tensor it counted,
+    in order (handy to see *what* is kept); ``by_storage`` maps a storage to its counted bytes.
+    """
+
+    def __init__(self, exclude=()):
+        self._excluded = {_storage_key(t) for t in exclude}
+        self._spans = {}   # storage key -> set of (start, end) byte spans
+        self._alive = []   # hold saved storages while counting, so no address is reused meanwhile
+        self._ctx = None
+        self.saved = []
+
+    @property
+    def by_storage(self):
+        return {key: _union_length(spans) for key, spans in self._spans.items()}
+
+    @property
+    def bytes(self):
+        return int(sum(self.by_storage.values()))
+
+    @property
+    def count(self):
+        return len(self._spans)
+
+    def _pack(self, t):
+        key = _storage_key(t)
+        if key in self._excluded:
+            return t
+        span = _byte_span(t)
+        spans = self._spans.setdefault(key, set())
+        if span not in spans:
+            if not spans:
+                self._alive.append(t.untyped_storage())
+            spans.add(span)
+            grad_fn = getattr(t, "grad_fn", None)
+            self.saved.append((type(grad_fn).__name__ if grad_fn is not None else None,
+                               tuple(t.shape), t.dtype))
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        self._ctx = None
+        self._alive = []  # the graph holds what backward still needs; the meter holds nothing
+        return False
+
+
+def measure_step_memory(model, optimizer, loss_fn, x, y, after_backward=None):
+    """Run one training step and return the bytes it keeps, by kind.
+
+    Introduced in 01_data_parallelism. Returns a dict with the keys of ``MEMORY_KINDS``::
+
+        {"parameters": ..., "gradients": ..., "optimizer_state": ..., "activations": ...}
+
+    The step is the usual one: ``optimizer.zero_grad(set_to_none=True)``, forward and loss
+    under an :class:`ActivationMeter` (parameters excluded), ``loss.backward()``, then
+    ``after_backward(model)`` if given (e.g. a manual all-reduce of the gradients), then
+    ``optimizer.step()``. It changes the model's weights, like any training step.
+
+    ``model`` may be wrapped in ``DistributedDataParallel``: its backward all-reduces the
+    gradients as usual, and the counts are those of one rank. Model state is summed from the
+    tensors that exist after the step: ``p.grad`` of every parameter, and every tensor in
+    ``optimizer.state`` (for Adam, ``exp_avg``, ``exp_avg_sq`` and the one-element ``step``).
+    Communication buffers (DDP's gradient buckets) are not counted.
+    """
+    params = list(dict.fromkeys(model.parameters()))  # unique, in order
+    optimizer.zero_grad(set_to_none=True)
+    with ActivationMeter(exclude=params) as meter:
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    if after_backward is not None:
+        after_backward(model)
+    optimizer.step()
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "parameters": tensor_bytes(params),
+        "gradients": tensor_bytes(p.grad for p in params),
+        "optimizer_state": tensor_bytes(state),
+        "activations": meter.bytes,
+    }
+
+
+def format_bytes(n):
+    """``1536`` -> ``'1.5 KiB'``: binary units, one decimal. Introduced in 01_data_parallelism."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024

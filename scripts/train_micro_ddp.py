@@ -1,0 +1,132 @@
+"""Train the capstone's tiny character-level GPT with MicroDDP: the same code on one process,
+one node or several nodes (11_capstone_micro_ddp).
+
+Single process (no torchrun, world size 1):
+    python scripts/train_micro_ddp.py --steps 50
+
+One node, 4 processes:
+    torchrun --standalone --nproc-per-node=4 scripts/train_micro_ddp.py --steps 50
+
+Two nodes x 2 processes: run one line on each node; MASTER is node 0's address, reachable from node 1:
+    torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 --master-addr=$MASTER --master-port=29500 \\
+        scripts/train_micro_ddp.py --steps 50
+    torchrun --nnodes=2 --node-rank=1 --nproc-per-node=2 --master-addr=$MASTER --master-port=29500 \\
+        scripts/train_micro_ddp.py --steps 50
+  To try it on one machine, run both lines there with MASTER=127.0.0.1 and GLOO_SOCKET_IFNAME=lo.
+
+SLURM, 2 nodes with one torchrun per node (sbatch --nodes=2 --ntasks-per-node=1 job.sh):
+    MASTER=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    srun torchrun --nnodes="$SLURM_NNODES" --node-rank="$SLURM_NODEID" --nproc-per-node=2 \\
+        --master-addr="$MASTER" --master-port=29500 scripts/train_micro_ddp.py --steps 50
+
+Rank 0 prints ``final_loss=<value>`` at the end: the loss of the last step, averaged over the
+global batch. It depends only on the options and the world size, never on how the ranks are
+spread over nodes: the data is sharded by global rank, and nothing is random but seeded.
+Backend: NCCL when every local rank has its own GPU, else gloo on CPU.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_utils.gpt import CharTokenizer, get_batch, load_checkpoint, load_corpus, make_gpt, save_checkpoint
+from course_utils.micro_ddp import MicroDDP
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, over all ranks")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on GPUs and CPUs with AMX/AVX512-BF16)")
+    p.add_argument("--compressor", default=None, choices=[None, "fp16", "bf16", "powersgd"])
+    p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--checkpoint", default=None, help="checkpoint file: written by rank 0, atomically")
+    p.add_argument("--save-every", type=int, default=0, help="save the checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def setup():
+    """rank, world_size, local_rank, device from torchrun's environment (or a lone process)."""
+    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return 0, 1, 0, torch.device("cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), local_rank, device
+
+
+def main():
+    args = parse_args()
+    rank, world_size, local_rank, device = setup()
+    micro_batch_size, global_batch_size = args.micro_batch_size, args.global_batch_size
+    if global_batch_size % (micro_batch_size * world_size):
+        raise SystemExit(f"--global-batch-size {global_batch_size} must be a multiple of micro-batch size x world "
+                         f"size = {micro_batch_size * world_size}. Change one of them.")
+    accum_steps = global_batch_size // (micro_batch_size * world_size)
+
+    text = load_corpus()
+    tokenizer = CharTokenizer(text)
+    data = tokenizer.encode(text)
+    model = MicroDDP(make_gpt(tokenizer.vocab_size, seed=args.seed).to(device),
+                     bucket_cap_mb=args.bucket_cap_mb, compressor=args.compressor)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    start = 0
+    if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
+        state = load_checkpoint(args.checkpoint)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} at step {start}")
+
+    if rank == 0:
+        print(f"world_size={world_size} accum_steps={accum_steps} micro_batch_size={micro_batch_size} "
+              f"global_batch_size={global_batch_size} backend={dist.get_backend()}")
+    loss = torch.zeros((), device=device)
+    for step in range(start, args.steps):
+        loss = torch.zeros((), device=device)
+        for micro_step in range(accum_steps):
+            # the micro-batch depends on the global rank only, never on the node
+            x, y = get_batch(data, step, rank * accum_steps + micro_step, micro_batch_size,
+                             global_batch_size, model.module.cfg.block_size, seed=args.seed)
+            x, y = x.to(device), y.to(device)
+            last = micro_step == accum_steps - 1
+            with (model.no_sync() if not last else torch.enable_grad()):  # sync on the last only
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                    logits = model(x)
+                micro_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / accum_steps
+                micro_loss.backward()
+            loss += micro_loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss)  # the loss of the global batch: every rank prints the same story
+        loss /= world_size
+        done = step + 1
+        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
+            print(f"step {done:4d}  loss {loss.item():.4f}", flush=True)
+        if args.checkpoint and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            if rank == 0:
+                save_checkpoint(args.checkpoint, {"model": model.module.state_dict(),
+                                                  "optimizer": optimizer.state_dict(), "step": done})
+            dist.barrier()  # nobody reads or overwrites the file before it is complete
+    if rank == 0:
+        print(f"final_loss={loss.item()!r}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

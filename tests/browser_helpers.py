@@ -1,0 +1,292 @@
+"""JupyterLab server and Playwright page helpers for tests/test_browser.py.
+
+The test drives the course the way a learner does: a real JupyterLab, a real (headless)
+Chromium, Run > Run All Cells, then it reads what the page shows. This module holds the
+plumbing: starting an isolated JupyterLab on loopback, stopping it without leaving a
+process behind, and reading a notebook's rendered cells.
+"""
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil  # a dependency of ipykernel, so always in the venv
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package, installed by .ci/install_browser.sh
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# JupyterLab user settings for the test server. windowingMode "none" keeps every cell in the DOM
+# (the default only lays out cells near the viewport); the notifications would otherwise ask
+# about news over the notebook and try to reach the internet.
+LAB_SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+}
+
+
+def _free_port():
+    # jupyter_server reads back a --port=0 port only since 2.20 (older ones advertise port 0),
+    # so probe for a free port here; JupyterLab.start retries if another process takes it first.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    """One JupyterLab on 127.0.0.1 with a random token, serving a temporary copy of a notebooks dir.
+
+    Everything it writes (settings, workspaces, runtime files, executed notebooks) stays under
+    ``tmp``, so running cells never touches the repository.
+    """
+
+    def __init__(self, notebooks: Path, tmp: Path):
+        self.tmp = tmp
+        self.root = tmp / "notebooks"
+        shutil.copytree(notebooks, self.root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", ".measurements"))
+        self.token = secrets.token_hex(24)
+        self.log_path = tmp / "jupyterlab.log"
+        self.proc = None
+        self.port = None
+        self._seen = {}  # pid -> psutil.Process of every server descendant seen (kernels, ranks)
+
+    # ---- start / stop -------------------------------------------------------------------
+    def start(self, timeout=90.0, attempts=4):
+        settings = self.tmp / "lab-settings"
+        for name, values in LAB_SETTINGS.items():
+            path = settings / f"{name}.jupyterlab-settings"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(values))
+        venv_bin = str(Path(sys.executable).parent)
+        env = dict(os.environ,
+                   PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""),  # the venv's kernel
+                   JUPYTER_CONFIG_DIR=str(self.tmp / "config"),  # no user config, kernels or extensions
+                   JUPYTER_DATA_DIR=str(self.tmp / "data"),
+                   JUPYTER_RUNTIME_DIR=str(self.tmp / "runtime"),
+                   IPYTHONDIR=str(self.tmp / "ipython"),
+                   PYTHONUNBUFFERED="1")
+        for var in ("JUPYTER_PATH", "JUPYTER_PLATFORM_DIRS", "JUPYTER_TOKEN", "JUPYTER_PORT", "MPLBACKEND"):
+            env.pop(var, None)
+        for attempt in range(attempts):
+            self.port = _free_port()
+            cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
+                   "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+                   f"--ServerApp.root_dir={self.root}", f"--LabApp.user_settings_dir={settings}",
+                   f"--LabApp.workspaces_dir={self.tmp / 'workspaces'}", "--ServerApp.terminals_enabled=False"]
+            if os.geteuid() == 0:  # CI containers run as root; JupyterLab refuses that unless told
+                cmd.append("--allow-root")
+            log = open(self.log_path, "w")
+            # Its own session, so that stop() can signal the server without touching pytest.
+            self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    self.api("GET", "/api/status", timeout=2)
+                    return self
+                except (OSError, urllib.error.URLError):
+                    time.sleep(0.3)
+            else:
+                self._kill_server()
+                raise RuntimeError(f"JupyterLab did not answer within {timeout:.0f} s; its log:\n{self.log_tail()}")
+            if "is not available" not in self.log_path.read_text(errors="replace"):
+                raise RuntimeError(f"JupyterLab exited with code {self.proc.returncode}; its log:\n{self.log_tail()}")
+            # Another process took the probed port between the probe and the server's bind: retry.
+        raise RuntimeError(f"JupyterLab found no free port in {attempts} attempts; its log:\n{self.log_tail()}")
+
+    def log_tail(self, n=40):
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def notebook_url(self, name):
+        # A workspace per notebook: two tabs on the default workspace fight over its layout.
+        workspace = "".join(ch if ch.isalnum() else "-" for ch in name)
+        return f"{self.url}/lab/workspaces/{workspace}/tree/{name}?token={self.token}"
+
+    def api(self, method, path, timeout=10):
+        req = urllib.request.Request(self.url + path, method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+        return json.loads(body) if body else None
+
+    def _remember_descendants(self):
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                self._seen.setdefault(p.pid, p)
+        except psutil.NoSuchProcess:
+            pass
+
+    def shutdown_kernels(self, timeout=30.0):
+        """Shut every kernel down through the REST API (the kernels end their %%ddp ranks)."""
+        self._remember_descendants()
+        for kernel in self.api("GET", "/api/kernels"):
+            self.api("DELETE", f"/api/kernels/{kernel['id']}", timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while self.api("GET", "/api/kernels") and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def stop(self, timeout=30.0):
+        """Kernels first (REST), then the server; returns descriptions of processes that outlived it.
+
+        Whatever is left over is killed, so that a failing test still leaves a clean machine.
+        """
+        if self.proc is None:
+            return []
+        if self.proc.poll() is None:
+            try:
+                self.shutdown_kernels(timeout)
+            except (OSError, urllib.error.URLError):
+                pass
+            self._remember_descendants()
+            try:
+                self.api("POST", "/api/shutdown")
+            except (OSError, urllib.error.URLError):
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._kill_server()
+        self.proc = None
+        leftovers = []
+        deadline = time.monotonic() + timeout
+        for p in self._seen.values():
+            while _alive(p) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _alive(p):
+                try:
+                    leftovers.append(f"pid {p.pid}: {' '.join(p.cmdline())[:200]}")
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        return leftovers
+
+    def _kill_server(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the session start() created for the server
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def _alive(p):
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ---- reading a notebook in the page -------------------------------------------------------
+
+# One entry per cell of the open notebook, in order, with what the learner sees.
+READ_CELLS_JS = """
+(panel) => Array.from(panel.querySelectorAll('.jp-Notebook .jp-Cell')).map(cell => ({
+    kind: cell.classList.contains('jp-CodeCell') ? 'code'
+        : cell.classList.contains('jp-MarkdownCell') ? 'markdown' : 'raw',
+    prompt: (cell.querySelector('.jp-InputPrompt') || {}).innerText || '',
+    output: Array.from(cell.querySelectorAll('.jp-OutputArea-output')).map(o => o.innerText).join('\\n'),
+    // JupyterLab renders error outputs and stderr streams alike, as application/vnd.jupyter.stderr.
+    stderr: Array.from(cell.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'))
+        .map(o => o.innerText),
+    images: Array.from(cell.querySelectorAll('.jp-OutputArea-output img'))
+        .map(img => ({src: img.src, width: img.naturalWidth, height: img.naturalHeight})),
+}))
+"""
+
+
+def notebook_panel(page):
+    return page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").last
+
+
+def kernel_status(page):
+    """'idle', 'busy', ... as the notebook toolbar's execution indicator shows it."""
+    indicator = notebook_panel(page).locator(".jp-Notebook-ExecutionIndicator").first
+    return indicator.get_attribute("data-status") if indicator.count() else None
+
+
+def read_cells(page):
+    panel = notebook_panel(page)
+    return panel.element_handle().evaluate(READ_CELLS_JS) if panel.count() else []
+
+
+def kernel_state(lab, name):
+    """The server's view of the kernel of notebook ``name``: 'idle', 'busy', ... or None."""
+    for session in lab.api("GET", "/api/sessions"):
+        if session.get("path") == name and session.get("kernel"):
+            return session["kernel"].get("execution_state")
+    return None
+
+
+def open_notebook(page, lab, name, n_cells, timeout=90.0):
+    """Open ``name`` in JupyterLab and wait until all its cells are rendered and its kernel is idle."""
+    page.goto(lab.notebook_url(name))
+    _wait(lambda: len(read_cells(page)) == n_cells, timeout,
+          f"{name}'s {n_cells} cells to render (the page shows {len(read_cells(page))})")
+    _wait(lambda: kernel_state(lab, name) == "idle" and kernel_status(page) == "idle", timeout,
+          f"the kernel of {name} to start (server: {kernel_state(lab, name)!r}, page: {kernel_status(page)!r})")
+
+
+def menu(page, top, item):
+    """Click menu bar entry ``top``, then its item labelled exactly ``item`` (as a learner would)."""
+    page.locator(".lm-MenuBar-item").get_by_text(top, exact=True).click()
+    page.locator(".lm-Menu").get_by_text(item, exact=True).click()
+
+
+def _prompts(page):
+    return [c["prompt"].strip() for c in read_cells(page) if c["kind"] == "code"]
+
+
+def run_all_cells(page, name, timeout=180.0):
+    """Clear the stored outputs, Run > Run All Cells, and wait until the kernel is idle with no cell queued.
+
+    Clearing first means every output the test then reads was produced in this browser session.
+    """
+    menu(page, "Edit", "Clear Outputs of All Cells")
+    _wait(lambda: all(p in ("", "[ ]:") for p in _prompts(page)), 30, f"the outputs of {name} to clear")
+    menu(page, "Run", "Run All Cells")
+    _wait(lambda: any(p not in ("", "[ ]:") for p in _prompts(page)), 30, f"Run All Cells to start in {name}")
+
+    def finished():
+        return kernel_status(page) == "idle" and "[*]:" not in _prompts(page)
+
+    # Idle twice in a row, a second apart: the kernel is briefly idle between two queued cells.
+    _wait(lambda: finished() and (time.sleep(1.0) or finished()), timeout,
+          f"the cells of {name} to finish (kernel {kernel_status(page)!r}, prompts {_prompts(page)})")
+
+
+def save_notebook(page, lab, name, timeout=30.0):
+    """File > Save Notebook; returns the saved notebook (JSON) as the browser's model holds it."""
+    path = lab.root / name
+    before = path.stat().st_mtime_ns
+    menu(page, "File", "Save Notebook")
+    _wait(lambda: path.stat().st_mtime_ns != before and not page.locator(".lm-TabBar-tab.jp-mod-dirty").count(),
+          timeout, f"{name} to be saved")
+    return json.loads(path.read_text())
+
+
+def _wait(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

@@ -1,0 +1,148 @@
+"""course_utils.bench (04_measuring_bandwidth): the nccl-tests formulas, the alpha-beta fit, the
+JSON format lesson 10 reads, and a small real sweep on gloo ranks.
+
+    .venv/bin/python -m pytest tests/test_bench.py -p no:randomly
+"""
+import json
+import math
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from course_utils import Cluster, bench
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test file
+
+
+# -- formulas -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, all_reduce, gather_like", [(1, 0.0, 0.0), (2, 1.0, 0.5), (4, 1.5, 0.75), (8, 1.75, 0.875)])
+def test_bus_factors_are_nccl_tests(n, all_reduce, gather_like):
+    assert bench.bus_factor("all_reduce", n) == all_reduce, "all-reduce busbw factor must be 2(n-1)/n"
+    for op in ("reduce_scatter", "all_gather", "all_to_all"):
+        assert bench.bus_factor(op, n) == gather_like, f"{op} busbw factor must be (n-1)/n"
+    for op in ("broadcast", "reduce"):
+        assert bench.bus_factor(op, n) == 1.0, f"{op} busbw factor must be 1"
+
+
+def test_algbw_and_busbw():
+    size, t = 64 * 2**20, 0.5
+    assert bench.algbw(size, t) == size / t, "algbw is S / t"
+    assert math.isclose(bench.busbw(size, t, 4), size / t * 1.5), "all-reduce busbw on 4 ranks is 1.5 x algbw"
+    assert math.isclose(bench.busbw(size, t, 4, op="all_gather"), size / t * 0.75)
+    assert bench.busbw(size, t, 4, op="broadcast") == size / t
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="unknown op"):
+        bench.bus_factor("allreduce", 4)
+    with pytest.raises(ValueError, match="positive"):
+        bench.algbw(100, 0.0)
+    with pytest.raises(ValueError, match="at least two"):
+        bench.fit_alpha_beta([4096], [1e-4])
+    with pytest.raises(ValueError, match="not all be equal"):
+        bench.fit_alpha_beta([4096, 4096], [1e-4, 2e-4])
+
+
+def test_default_sizes_span_4k_to_64m():
+    sizes = bench.default_sizes()
+    assert sizes[0] == 4 * 1024 and sizes[-1] == 64 * 2**20, sizes
+    assert all(b == 4 * a for a, b in zip(sizes, sizes[1:])), "sizes grow by 4x"
+    assert bench.iterations_for(4096) == 20 and bench.iterations_for(64 * 2**20) == 2, "few iterations at large sizes"
+    assert [bench.format_size(s) for s in (4096, 2**20, 3 * 2**30, 1000)] == ["4 KiB", "1 MiB", "3 GiB", "1000 B"]
+
+
+# -- the alpha-beta fit -------------------------------------------------------------------------
+def test_fit_recovers_exact_alpha_beta():
+    alpha, beta = 50e-6, 1 / 2e9
+    sizes = bench.default_sizes()
+    a, b = bench.fit_alpha_beta(sizes, [alpha + beta * s for s in sizes])
+    assert math.isclose(a, alpha, rel_tol=1e-9) and math.isclose(b, beta, rel_tol=1e-9), (a, b)
+
+
+def test_fit_is_not_dominated_by_large_sizes():
+    # 10% noise on the largest size must not wipe out the latency seen at small sizes
+    alpha, beta = 100e-6, 1e-9
+    sizes = bench.default_sizes()
+    times = [alpha + beta * s for s in sizes]
+    times[-1] *= 1.1
+    a, b = bench.fit_alpha_beta(sizes, times)
+    assert 0.8 * alpha < a < 1.2 * alpha, f"alpha {a} should stay near {alpha}"
+
+
+def test_fit_never_returns_negative_latency():
+    sizes = [1000, 2000, 4000]
+    a, b = bench.fit_alpha_beta(sizes, [0.9e-6, 2.0e-6, 4.1e-6])  # a straight line through ~ -0.1 us
+    assert a == 0.0 and b > 0, (a, b)
+
+
+# -- saved measurements -------------------------------------------------------------------------
+def _rows():
+    sizes = bench.default_sizes()
+    times = [20e-6 + s / 1e9 for s in sizes]
+    return [{"bytes": s, "iters": 2, "time_s": t, "algbw_Bps": bench.algbw(s, t),
+             "busbw_Bps": bench.busbw(s, t, 4)} for s, t in zip(sizes, times)]
+
+
+def test_save_and_load_round_trip(tmp_path):
+    path = tmp_path / "sub" / "bandwidth.json"
+    assert bench.load_measurements(path) is None, "a missing file reads as None"
+    saved = bench.save_measurements(_rows(), world_size=4, path=path, memcpy_Bps=5e9, ring_rows=_rows())
+    data = bench.load_measurements(path)
+    assert data == json.loads(json.dumps(saved)), "load_measurements must return what was saved"
+    for key in ("format", "op", "world_size", "rows", "alpha_s", "beta_s_per_byte", "peak_busbw_Bps", "memcpy_Bps"):
+        assert key in data, f"the documented key {key!r} is missing"
+    assert math.isclose(data["alpha_s"], 20e-6, rel_tol=1e-6), data["alpha_s"]
+    assert math.isclose(data["beta_s_per_byte"], 1e-9, rel_tol=1e-6), data["beta_s_per_byte"]
+    assert set(data["rows"][0]) == {"bytes", "iters", "time_s", "algbw_Bps", "busbw_Bps"}
+
+
+def test_load_refuses_another_format(tmp_path):
+    path = tmp_path / "bandwidth.json"
+    path.write_text(json.dumps({"format": 999}))
+    with pytest.raises(ValueError, match="run 04_measuring_bandwidth again"):
+        bench.load_measurements(path)
+
+
+def test_memcpy_bandwidth_is_plausible():
+    bw = bench.memcpy_bandwidth(nbytes=8 * 2**20, repeats=3)
+    assert 1e7 < bw < 1e13, f"{bw} bytes/s is not a memory copy speed"
+
+
+# -- a real sweep -------------------------------------------------------------------------------
+def _small_sweeps():
+    import torch.distributed as dist
+
+    from course_utils.allreduce import chunked_ring_all_reduce
+
+    sizes = [4096, 65536]
+    return {
+        "all_reduce": bench.sweep(dist.all_reduce, sizes, max_iters=3),
+        "ring": bench.sweep(chunked_ring_all_reduce, sizes, max_iters=3),
+        "all_gather": bench.sweep(dist.all_gather_single, sizes, op="all_gather", max_iters=3),
+        "reduce_scatter": bench.sweep(dist.reduce_scatter_single, sizes, op="reduce_scatter", max_iters=3),
+        "broadcast": bench.sweep(dist.broadcast, sizes, op="broadcast", max_iters=3),
+    }
+
+
+def test_sweep_on_real_ranks():
+    with Cluster(world_size=2, backend="gloo", timeout=60) as c:
+        per_rank = c.run(_small_sweeps)
+    assert per_rank[0] == per_rank[1], "every rank must return the same rows (the slowest rank's time)"
+    for op, rows in per_rank[0].items():
+        assert [r["bytes"] for r in rows] == [4096, 65536], op
+        for r in rows:
+            assert r["time_s"] > 0 and r["iters"] == 3, (op, r)
+            assert math.isclose(r["algbw_Bps"], r["bytes"] / r["time_s"]), (op, r)
+            kind = op if op != "ring" else "all_reduce"
+            assert math.isclose(r["busbw_Bps"], r["algbw_Bps"] * bench.bus_factor(kind, 2)), (op, r)
+
+
+def test_time_op_buffers_match_the_op():
+    def shapes_of(op):
+        buffers = bench._buffers(op, 4096, 4, torch.float32)
+        return [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in buffers]
+    shapes = {op: shapes_of(op) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+    assert shapes == {"all_reduce": [(1024,)], "all_gather": [(1024,), (256,)],
+                      "reduce_scatter": [(256,), (1024,)], "broadcast": [(1024,), 0]}, shapes

@@ -1,0 +1,244 @@
+"""The course as a learner sees it: JupyterLab in headless Chromium, Run > Run All Cells, then read the page.
+
+    .venv/bin/python -m pytest tests/test_browser.py -p no:randomly
+
+Needs /usr/bin/chromium (.ci/install_browser.sh installs it; Playwright drives it and never
+downloads a browser of its own). Without it the test is skipped, except when CI=true: there a
+skip would hide that the browser test never ran, so it fails. One JupyterLab serves a temporary
+copy of notebooks/ for the whole module, so running cells never modifies the repository.
+Screenshots land in test-artifacts/browser/.
+"""
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from browser_helpers import (CHROMIUM, CHROMIUM_ARGS, JupyterLab, notebook_panel, open_notebook,
+                             read_cells, run_all_cells, save_notebook)
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+LESSONS = ["00_launcher_tour.ipynb", "10_tradeoffs.ipynb"]
+# The cost-model controls of 10_tradeoffs, by their descriptions; moving any of them redraws the plot.
+CONTROLS = ["world size", "model size", "bandwidth", "latency", "micro-batch", "accum steps", "compression"]
+RANK_LINE = re.compile(r"^\[rank (\d+)\] ", re.M)
+
+
+def _missing(what):
+    message = f"{what}: run .ci/install_browser.sh (and install the venv's test extras)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message}. CI=true, where a skipped browser test would hide that it never ran.")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    if not CHROMIUM.exists():
+        _missing(f"{CHROMIUM} is not installed")
+    lab = JupyterLab(NOTEBOOKS, tmp_path_factory.mktemp("jupyterlab")).start()
+    yield lab
+    lab.stop()  # a no-op when test_jupyterlab_stops_cleanly already stopped it
+
+
+@pytest.fixture(scope="module")
+def browser(lab, tmp_path_factory):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("playwright is not installed")
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)
+    ARTIFACTS.mkdir(parents=True)
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
+            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 900})
+        yield context
+        context.close()
+
+
+class Lesson:
+    """One lesson after Run All Cells in the browser: the page, its cells, and the notebook files."""
+
+    def __init__(self, name, page, cells, saved, committed, seconds):
+        self.name, self.page, self.cells, self.saved, self.committed = name, page, cells, saved, committed
+        self.seconds = seconds
+        self.stem = name.removesuffix(".ipynb")
+
+    def cell(self, i):
+        return notebook_panel(self.page).locator(".jp-Notebook .jp-Cell").nth(i)
+
+    def screenshot(self, i, label):
+        path = ARTIFACTS / f"{self.stem}_{label}.png"
+        self.cell(i).screenshot(path=str(path))
+        return path
+
+
+@pytest.fixture(scope="module")
+def lessons(lab, browser):
+    """lessons(name) opens the lesson once per module, runs all its cells and caches what it shows."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            path = NOTEBOOKS / name
+            assert path.exists(), f"{path.relative_to(ROOT)} does not exist: the browser test needs it"
+            committed = json.loads(path.read_text())
+            page = browser.new_page()
+            console = []
+            page.on("pageerror", lambda exc: console.append(f"page error: {exc}"))
+            t0 = time.monotonic()
+            open_notebook(page, lab, name, len(committed["cells"]))
+            run_all_cells(page, name)
+            seconds = time.monotonic() - t0
+            cells = read_cells(page)
+            page.screenshot(path=str(ARTIFACTS / f"{name.removesuffix('.ipynb')}_after_run_all.png"))
+            saved = save_notebook(page, lab, name)
+            (ARTIFACTS / f"{name.removesuffix('.ipynb')}_log.txt").write_text(
+                f"open + run all cells: {seconds:.1f} s\n" + "\n".join(console) + "\n")
+            done[name] = Lesson(name, page, cells, saved, committed, seconds)
+        return done[name]
+
+    return get
+
+
+def _tagged(nb):
+    return {i for i, c in enumerate(nb["cells"]) if "raises-exception" in c.get("metadata", {}).get("tags", [])}
+
+
+def _source(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_run_all_cells_executes_every_code_cell(lessons, name):
+    lesson = lessons(name)
+    kinds = ["code" if c["cell_type"] == "code" else "markdown" if c["cell_type"] == "markdown" else "raw"
+             for c in lesson.committed["cells"]]
+    assert [c["kind"] for c in lesson.cells] == kinds, "the page shows other cells than the notebook file holds"
+    not_run = [(i, c["prompt"]) for i, c in enumerate(lesson.cells)
+               if c["kind"] == "code" and _source(lesson.committed["cells"][i]).strip()
+               and not re.fullmatch(r"\[\d+\]:", c["prompt"].strip())]
+    assert not not_run, (f"Run All Cells left these cells of {name} unexecuted (cell index, prompt): {not_run}. "
+                         "An error in a cell not tagged raises-exception stops Run All.")
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_errors_only_in_cells_tagged_raises_exception(lessons, name):
+    lesson = lessons(name)
+    # The saved notebook tells error outputs from stderr streams (the page renders both alike).
+    errors = {i: [f"{o['ename']}: {o['evalue']}" for o in c.get("outputs", []) if o["output_type"] == "error"]
+              for i, c in enumerate(lesson.saved["cells"])}
+    errors = {i: e for i, e in errors.items() if e}
+    tagged = _tagged(lesson.committed)
+    unexpected = {i: e for i, e in errors.items() if i not in tagged}
+    assert not unexpected, f"{name}: errors in cells not tagged raises-exception (cell index: error): {unexpected}"
+    silent = sorted(tagged - set(errors))
+    assert not silent, f"{name}: cells {silent} are tagged raises-exception but raised nothing in the browser"
+    for i in sorted(tagged):
+        shown = "\n".join(lesson.cells[i]["stderr"])
+        ename = errors[i][0].split(":")[0]
+        assert ename in shown, f"{name}: cell {i} raised {errors[i][0]} but the page shows no such error: {shown!r}"
+        lesson.screenshot(i, f"cell{i:02d}_raises_exception")
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_plots_render_as_images(lessons, name):
+    lesson = lessons(name)
+    with_plots = [i for i, c in enumerate(lesson.committed["cells"])
+                  if any("image/png" in o.get("data", {}) for o in c.get("outputs", []))]
+    if name == "10_tradeoffs.ipynb":
+        assert with_plots, f"{name} stores no plot (image/png output): the lesson should draw its cost model"
+    for i in with_plots:
+        images = lesson.cells[i]["images"]
+        assert images, f"{name}: cell {i} stores a plot, but the page shows no <img> in its output after Run All"
+        assert all(img["src"].startswith("data:image/png") and img["width"] > 0 and img["height"] > 0
+                   for img in images), f"{name}: cell {i}'s image did not render: {[im['src'][:40] for im in images]}"
+        lesson.screenshot(i, f"cell{i:02d}_plot")
+
+
+def test_ddp_cell_shows_rank_prefixed_output(lessons):
+    lesson = lessons("00_launcher_tour.ipynb")
+    shown = {}
+    for i, cell in enumerate(lesson.committed["cells"]):
+        if cell["cell_type"] == "code" and _source(cell).lstrip().startswith("%%ddp"):
+            ranks = [int(r) for r in RANK_LINE.findall(lesson.cells[i]["output"])]
+            if ranks:
+                shown[i] = ranks
+    assert shown, "00_launcher_tour: no %%ddp cell shows [rank N] lines in the browser"
+    four = [i for i, ranks in shown.items() if {0, 3} <= set(ranks)]
+    assert four, f"00_launcher_tour: no %%ddp cell shows both [rank 0] and [rank 3] lines; ranks shown: {shown}"
+    for i, ranks in shown.items():
+        assert ranks == sorted(ranks), f"00_launcher_tour: cell {i}'s lines are not grouped in rank order: {ranks}"
+    lesson.screenshot(four[0], f"cell{four[0]:02d}_ddp_ranks")
+
+
+def _labelled(page, description):
+    return page.locator("label.widget-label", has_text=re.compile(rf"^\s*{re.escape(description)}\s*$"))
+
+
+def _control(lesson, description):
+    """The widget whose label reads ``description`` (a slider, a dropdown...)."""
+    return lesson.page.locator(".jp-Notebook .jupyter-widgets.widget-inline-hbox").filter(
+        has=_labelled(lesson.page, description)).first
+
+
+def _images(lesson):
+    return [img["src"] for c in read_cells(lesson.page) for img in c["images"]]
+
+
+def _change(control):
+    """Move a slider one step with the keyboard (or pick the next dropdown option); returns the new value."""
+    handle = control.locator(".noUi-handle")
+    if handle.count():
+        before = handle.first.get_attribute("aria-valuenow")
+        at_max = before == handle.first.get_attribute("aria-valuemax")
+        handle.first.focus()
+        handle.first.press("ArrowLeft" if at_max else "ArrowRight")
+        readout = control.locator(".widget-readout")
+        return readout.inner_text() if readout.count() else handle.first.get_attribute("aria-valuenow")
+    select = control.locator("select")
+    if select.count():
+        options = select.locator("option").all()
+        values = [o.get_attribute("value") for o in options]
+        current = select.input_value()
+        new = values[(values.index(current) + 1) % len(values)]
+        select.select_option(new)
+        return new
+    control.locator("input, button").first.click()  # a checkbox or a toggle button
+    return "toggled"
+
+
+def test_controls_redraw_the_cost_model_plot(lessons):
+    lesson = lessons("10_tradeoffs.ipynb")
+    missing = [d for d in CONTROLS if not _control(lesson, d).count()]
+    assert not missing, f"10_tradeoffs shows no widget labelled {missing} after Run All Cells"
+    assert _images(lesson), "10_tradeoffs shows no plot (<img>) to redraw"
+    cell = next(i for i, c in enumerate(lesson.cells) if c["kind"] == "code"
+                and lesson.cell(i).locator(".jupyter-widgets").filter(has=_labelled(lesson.page, CONTROLS[0])).count())
+    lesson.screenshot(cell, "widgets_before")
+    unchanged = []
+    for n, description in enumerate(CONTROLS):
+        before = _images(lesson)
+        value = _change(_control(lesson, description))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            after = _images(lesson)
+            if after and after != before:
+                break
+            time.sleep(0.2)
+        else:
+            unchanged.append(f"{description} -> {value}")
+        lesson.screenshot(cell, f"widgets_after_{n}_{description.replace(' ', '_')}")
+    assert not unchanged, f"10_tradeoffs: moving these controls did not redraw the plot within 30 s: {unchanged}"
+
+
+def test_jupyterlab_stops_cleanly(lab, lessons):
+    lessons(LESSONS[0])  # already run (cached) unless this test runs alone
+    assert lab.api("GET", "/api/kernels"), "no kernel is running, yet a lesson was just run"
+    leftovers = lab.stop()
+    assert not leftovers, f"processes outlived JupyterLab's shutdown (killed now): {leftovers}"

@@ -1,0 +1,190 @@
+"""check_comm_hook with real processes (gloo, 3 ranks): right hooks pass, wrong hooks are explained.
+
+3 ranks so that "off by world_size" (3) cannot be confused with a factor of 2.
+"""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+from course_utils.checks import check_comm_hook
+from course_utils.hooks import bf16_hook, fp16_hook
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+
+
+@pytest.fixture(scope="module")
+def cluster3():
+    from course_utils import Cluster
+
+    with Cluster(world_size=3, backend="gloo", timeout=30) as c:
+        yield c
+
+
+# -- hooks the checker must reject --------------------------------------------------------------
+def verbatim_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future:  # the article's, verbatim
+    compressed = bucket.buffer() * 0.5
+    fut = dist.all_reduce(compressed, async_op=True).get_future()
+
+    def decompress(fut):
+        return fut.value() / 0.5
+
+    return fut.then(decompress)
+
+
+def article_hook(state, bucket):  # the article's hook without its annotations
+    compressed = bucket.buffer() * 0.5
+    fut = dist.all_reduce(compressed, async_op=True).get_future()
+
+    def decompress(fut):
+        return fut.value() / 0.5
+
+    return fut.then(decompress)
+
+
+def sum_hook(state, bucket):  # the article's hook fixed to run: returns the SUM
+    compressed = bucket.buffer() * 0.5
+    fut = dist.all_reduce(compressed, async_op=True).get_future()
+    return fut.then(lambda fut: fut.value()[0] / 0.5)
+
+
+def twice_divided_hook(state, bucket):
+    buf = bucket.buffer().div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda fut: fut.value()[0] / dist.get_world_size())
+
+
+def local_hook(state, bucket):  # no communication at all: every rank keeps its own gradient
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def zero_hook(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(torch.zeros_like(bucket.buffer()))
+    return fut
+
+
+def shuffled_hook(state, bucket):  # averages, then copies back in the wrong order
+    buf = bucket.buffer().div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda fut: fut.value()[0].flip(0))
+
+
+def overflow_hook(state, bucket):  # fp16, dividing AFTER the sum, on huge gradients
+    half = (bucket.buffer() * 1e6).half()
+    fut = dist.all_reduce(half, async_op=True).get_future()
+    return fut.then(lambda fut: fut.value()[0].float() / dist.get_world_size() / 1e6)
+
+
+def wrong_shape_hook(state, bucket):
+    buf = bucket.buffer().div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda fut: fut.value()[0][:-1].clone())
+
+
+def mean_hook(state, bucket):  # the corrected article hook
+    buf = bucket.buffer().div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda fut: fut.value()[0])
+
+
+def test_verbatim_article_hook_is_refused_for_its_annotation(cluster3):
+    with pytest.raises(AssertionError) as info:
+        check_comm_hook(verbatim_hook, cluster=cluster3)
+    msg = str(info.value)
+    assert "verbatim_hook raised on rank 0 (registering the hook): ValueError" in msg, msg
+    assert "Future[torch.Tensor]" in msg, f"the hint should say which annotation DDP wants: {msg}"
+
+
+def test_article_hook_raises_and_is_explained(cluster3):
+    with pytest.raises(AssertionError) as info:
+        check_comm_hook(article_hook, cluster=cluster3)
+    msg = str(info.value)
+    assert "article_hook raised on rank 0" in msg, msg
+    assert "unsupported operand type(s) for /: 'list' and 'float'" in msg, msg
+    assert "fut.value()[0]" in msg, f"the hint should say how to fix it: {msg}"
+
+
+def test_sum_is_reported_with_its_factor(cluster3):
+    with pytest.raises(AssertionError, match=r"SUM .* 3 \(= world_size\) times the mean"):
+        check_comm_hook(sum_hook, cluster=cluster3)
+
+
+def test_dividing_twice_is_reported(cluster3):
+    with pytest.raises(AssertionError, match=r"1/3 of DDP's: it divides by world_size twice"):
+        check_comm_hook(twice_divided_hook, cluster=cluster3)
+
+
+def test_no_communication_is_reported(cluster3):
+    with pytest.raises(AssertionError, match=r"rank 1's gradients differ from rank 0's"):
+        check_comm_hook(local_hook, cluster=cluster3)
+
+
+def test_zeros_are_reported(cluster3):
+    with pytest.raises(AssertionError, match=r"all ZERO"):
+        check_comm_hook(zero_hook, cluster=cluster3)
+
+
+def test_garbage_is_reported(cluster3):
+    with pytest.raises(AssertionError, match=r"not a scaled copy either: garbage"):
+        check_comm_hook(shuffled_hook, cluster=cluster3)
+
+
+def test_overflow_is_reported(cluster3):
+    with pytest.raises(AssertionError, match=r"inf/nan .* 65504"):
+        check_comm_hook(overflow_hook, cluster=cluster3)
+
+
+def test_wrong_shape_is_reported_as_a_raise(cluster3):
+    with pytest.raises(AssertionError, match=r"wrong_shape_hook raised on rank 0"):
+        check_comm_hook(wrong_shape_hook, cluster=cluster3)
+
+
+def test_fp16_fails_the_lossless_default_but_passes_a_loose_rtol(cluster3, capsys):
+    with pytest.raises(AssertionError, match=r"close to DDP.s average .* rtol=1e-05. A lossy .* rtol=0.001"):
+        check_comm_hook(fp16_hook, cluster=cluster3)
+    check_comm_hook(fp16_hook, rtol=1e-2, cluster=cluster3)
+    check_comm_hook(fp16_compress_hook, rtol=1e-2, cluster=cluster3)
+    check_comm_hook(bf16_hook, rtol=5e-2, cluster=cluster3)
+    out = capsys.readouterr().out
+    assert "check_comm_hook: fp16_hook matches DDP's all-reduce on 3 ranks" in out, out
+
+
+# -- hooks the checker must accept -----------------------------------------------------------
+def test_lossless_hooks_pass(cluster3, capsys):
+    check_comm_hook(allreduce_hook, cluster=cluster3)
+    check_comm_hook(mean_hook, cluster=cluster3)
+    out = capsys.readouterr().out
+    assert out.count("matches DDP's all-reduce") == 2, out
+
+
+def test_powersgd_needs_a_loose_rtol_and_a_state_factory(cluster3):
+    def state():
+        return PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+
+    # the first 2 steps are plain all-reduce, step 2 is compressed: the lossless default fails there
+    with pytest.raises(AssertionError, match=r"powerSGD_hook is wrong at step 2"):
+        check_comm_hook(powerSGD_hook, state=state, cluster=cluster3)
+    check_comm_hook(powerSGD_hook, state=state, rtol=1.0, cluster=cluster3)
+    # with only the warm-up steps, PowerSGD is an exact all-reduce
+    check_comm_hook(powerSGD_hook, state=state, steps=2, cluster=cluster3)
+
+
+def test_bf16_builtin_refusal_is_reported(cluster3):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch accepts bf16_compress_hook")
+    with pytest.raises(AssertionError, match=r"raised on rank 0 \(registering the hook\): TypeError: BF16"):
+        check_comm_hook(bf16_compress_hook, cluster=cluster3)
+
+
+def test_not_a_function_is_explained():
+    with pytest.raises(AssertionError, match="not a function"):
+        check_comm_hook(None)

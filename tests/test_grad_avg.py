@@ -1,0 +1,204 @@
+"""check_grad_averaging (05_manual_gradient_averaging) on real ranks: right versions pass, each
+classic mistake fails with a message that names its factor.
+
+    .venv/bin/python -m pytest tests/test_grad_avg.py -p no:randomly
+"""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_utils import Cluster, DistributedError
+from course_utils.checks import check_grad_averaging
+from course_utils.checks.grad_avg import _cases, _explain_factor, _pick_sizes
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+
+WORLD_SIZE = 2  # the checker then uses accum_steps=3, micro_batch_size=5: every factor is distinct
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(world_size=WORLD_SIZE, timeout=60) as c:
+        yield c
+
+
+def _backward_all(model, micro_batches, divide_by_k=True, reduction="mean"):
+    for x, y in micro_batches:
+        loss = F.mse_loss(model(x), y, reduction=reduction)
+        if divide_by_k:
+            loss = loss / len(micro_batches)
+        loss.backward()
+
+
+# -- right versions ---------------------------------------------------------------------------
+def right_sum_then_divide(model, micro_batches):
+    _backward_all(model, micro_batches)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= dist.get_world_size()
+
+
+def right_avg(model, micro_batches):
+    _backward_all(model, micro_batches)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def right_one_flat_buffer(model, micro_batches):  # one all_reduce for all gradients, as DDP's buckets do
+    _backward_all(model, micro_batches)
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# -- wrong versions ---------------------------------------------------------------------------
+def no_division_by_world_size(model, micro_batches):  # the article's loop
+    _backward_all(model, micro_batches)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def no_division_by_accum_steps(model, micro_batches):
+    _backward_all(model, micro_batches, divide_by_k=False)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def no_division_at_all(model, micro_batches):
+    _backward_all(model, micro_batches, divide_by_k=False)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def avg_and_divide_again(model, micro_batches):
+    _backward_all(model, micro_batches)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        p.grad /= dist.get_world_size()
+
+
+def sum_loss(model, micro_batches):
+    _backward_all(model, micro_batches, reduction="sum")
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def only_rank_0_averages(model, micro_batches):  # reduce() leaves the result on rank 0 only
+    _backward_all(model, micro_batches)
+    for p in model.parameters():
+        dist.reduce(p.grad, dst=0)
+        p.grad /= dist.get_world_size()
+
+
+def only_rank_0_calls_all_reduce(model, micro_batches):  # the other ranks never join: a hang
+    _backward_all(model, micro_batches)
+    if dist.get_rank() == 0:
+        for p in model.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def no_all_reduce(model, micro_batches):
+    _backward_all(model, micro_batches)
+
+
+def hard_coded_accum_steps(model, micro_batches):
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) / 3).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def biases_only(model, micro_batches):
+    _backward_all(model, micro_batches)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def zero_grad_at_the_end(model, micro_batches):
+    right_avg(model, micro_batches)
+    model.zero_grad(set_to_none=True)
+
+
+def raises(model, micro_batches):
+    raise ValueError("learner's bug")
+
+
+# -- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn", [right_sum_then_divide, right_avg, right_one_flat_buffer])
+def test_right_versions_pass(cluster, fn):
+    check_grad_averaging(fn, cluster=cluster)  # raises AssertionError if a right version is rejected
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (no_division_by_world_size, "2x too large: the factor is world_size."),
+    (no_division_by_accum_steps, "3x too large: the factor is accum_steps."),
+    (no_division_at_all, "6x too large: the factor is world_size x accum_steps."),
+    (avg_and_divide_again, "2x too small: the factor is 1/world_size."),
+    (sum_loss, "5x too large: the factor is micro_batch_size."),
+    (hard_coded_accum_steps, "3x too small, in the right direction (a hard-coded number?"),
+])
+def test_wrong_factor_is_named(cluster, fn, expected):
+    with pytest.raises(AssertionError) as info:
+        check_grad_averaging(fn, cluster=cluster)
+    assert expected in str(info.value), f"the message should say {expected!r}, got:\n{info.value}"
+
+
+def test_only_rank_0_averaged(cluster):
+    with pytest.raises(AssertionError) as info:
+        check_grad_averaging(only_rank_0_averages, cluster=cluster)
+    msg = str(info.value)
+    assert "The ranks end with different gradients" in msg, msg
+    assert "rank 0: right" in msg and "rank 1: wrong" in msg, f"rank 0 is right and rank 1 is not:\n{msg}"
+
+
+def test_no_all_reduce_at_all(cluster):
+    with pytest.raises(AssertionError, match="different gradients") as info:
+        check_grad_averaging(no_all_reduce, cluster=cluster)
+    assert "rank 0: wrong" in str(info.value), f"no rank holds the global gradient:\n{info.value}"
+
+
+def test_only_some_parameters_averaged(cluster):
+    with pytest.raises(AssertionError, match=r"disagree on net\.0\.weight, net\.2\.weight only"):
+        check_grad_averaging(biases_only, cluster=cluster)
+
+
+def test_missing_gradients(cluster):
+    with pytest.raises(AssertionError, match="has no gradient for net.0.weight"):
+        check_grad_averaging(zero_grad_at_the_end, cluster=cluster)
+
+
+def test_hang_becomes_an_explanation_and_the_cluster_survives(cluster):
+    with pytest.raises(AssertionError, match=r"Your function hung: .*inside `if rank == 0:`"):
+        check_grad_averaging(only_rank_0_calls_all_reduce, cluster=cluster, timeout=5)
+    check_grad_averaging(right_avg, cluster=cluster)  # the same ranks still work afterwards
+
+
+def test_an_error_in_the_learners_code_shows_its_traceback(cluster):
+    with pytest.raises(DistributedError) as info:
+        check_grad_averaging(raises, cluster=cluster)
+    assert info.value.exc_type == "ValueError" and "learner's bug" in str(info.value), str(info.value)
+    check_grad_averaging(right_avg, cluster=cluster)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_sizes_make_every_factor_distinct(world_size):
+    k, b = _pick_sizes(world_size)
+    factors = {world_size ** i * k ** j * b ** m for i in (0, 1) for j in (0, 1) for m in (0, 1)}
+    assert len(factors) == 8, f"world_size={world_size}, accum_steps={k}, micro_batch_size={b}: factors collide"
+    assert [c["accum_steps"] for c in _cases(world_size)] == [k, 1], "a case with accumulation, then one without"
+
+
+def test_factor_names():
+    assert _explain_factor(4.0, 4, 3, 5)[1].startswith("world_size."), "4 ranks, 4x too large: world_size"
+    assert _explain_factor(12.0, 4, 3, 5)[1].startswith("world_size x accum_steps."), "12 = 4 x 3"
+    assert _explain_factor(1.7, 4, 3, 5) is None, "1.7 is no product of 4, 3 and 5"

@@ -1,0 +1,168 @@
+"""Notebook hygiene: what is committed is what nbval can check, and every lesson is wired into the course.
+
+    .venv/bin/python -m pytest tests/test_hygiene.py -p no:randomly
+
+The stored outputs are the reference nbval compares against, so they must come from a clean,
+in-order run (scripts/execute_notebooks.py) and hold nothing nbval cannot compare.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+LESSON_MAP = "../README.md#lesson-map"
+# (notebook, cell id) pairs allowed an NBVAL_IGNORE_OUTPUT / nbval-ignore-output marker: only a cell whose
+# sole output is a timing table the sanitizer (tests/sanitize.cfg) cannot tame. Keep it empty if at all possible.
+IGNORE_OUTPUT_ALLOWED = set()
+NBVAL_MARKERS = re.compile(r"#\s*NBVAL_(IGNORE_OUTPUT|SKIP)\b")
+NBVAL_TAGS = {"nbval-ignore-output", "nbval-skip"}
+
+
+def _load(path):
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _source(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def _links(markdown):
+    """Relative link targets of a markdown text: [text](target)."""
+    return re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", markdown)
+
+
+def _code(nb):
+    return [(i, c) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"]
+
+
+def _id(path):
+    return path.name
+
+
+def test_lessons_exist_numbered_from_00_without_gaps():
+    assert NOTEBOOKS, "no notebooks/[0-9][0-9]_*.ipynb found: the hygiene tests below would pass vacuously"
+    numbers = [int(p.name[:2]) for p in NOTEBOOKS]
+    assert numbers == list(range(len(NOTEBOOKS))), (
+        f"lesson numbers must run 00, 01, ... without gaps or duplicates; found {[p.name for p in NOTEBOOKS]}")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+def test_executed_in_order_from_a_fresh_kernel(path):
+    nb = _load(path)
+    counts = [(i, c.get("execution_count")) for i, c in _code(nb) if _source(c).strip()]
+    assert counts, f"{path.name} has no code cell"
+    missing = [i for i, n in counts if n is None]
+    assert not missing, (f"{path.name}: code cells {missing} are not executed. Store outputs with "
+                         f".venv/bin/python scripts/execute_notebooks.py notebooks/{path.name}")
+    assert [n for _, n in counts] == list(range(1, len(counts) + 1)), (
+        f"{path.name}: execution counts {[n for _, n in counts]} are not 1..{len(counts)} in order: the outputs "
+        f"come from a partial or out-of-order run. Re-run scripts/execute_notebooks.py notebooks/{path.name}")
+    empty = [i for i, c in _code(nb) if not _source(c).strip() and (c.get("execution_count") or c.get("outputs"))]
+    assert not empty, f"{path.name}: empty code cells {empty} carry a count or outputs from another run"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+def test_outputs_are_checkable_by_nbval(path):
+    nb = _load(path)
+    assert "widgets" not in nb.get("metadata", {}), (
+        f"{path.name} stores widget state (metadata.widgets), which nbval cannot check; "
+        "scripts/execute_notebooks.py and the nbstripout pre-commit hook drop it")
+    assert nb.get("metadata", {}).get("kernelspec", {}).get("name") == "python3", (
+        f"{path.name}: kernelspec must be python3 (the venv's kernel), not {nb.get('metadata', {}).get('kernelspec')}")
+    for i, cell in _code(nb):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if out["output_type"] in ("display_data", "execute_result") and "text/plain" not in data:
+                # nbval compares text/plain (and skips images): an output without it is never checked.
+                assert data and all(mime.startswith("image/") for mime in data), (
+                    f"{path.name}: cell {i} has an output nbval cannot check (no text/plain): {sorted(data)}")
+            assert "application/vnd.jupyter.widget-state+json" not in data, (
+                f"{path.name}: cell {i} stores widget state")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+def test_no_cell_escapes_nbval(path):
+    nb = _load(path)
+    escaped = []
+    for i, cell in _code(nb):
+        tags = set(cell.get("metadata", {}).get("tags", []))
+        marker = NBVAL_MARKERS.search(_source(cell))
+        if (marker or tags & NBVAL_TAGS) and (path.name, cell.get("id")) not in IGNORE_OUTPUT_ALLOWED:
+            escaped.append((i, cell.get("id"), marker.group(0) if marker else sorted(tags & NBVAL_TAGS)))
+    assert not escaped, (
+        f"{path.name}: cells (index, id, marker) {escaped} skip or ignore nbval's comparison. Print timings with "
+        "their unit so tests/sanitize.cfg masks them, or add the cell to IGNORE_OUTPUT_ALLOWED with a reason")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+def test_errors_only_in_cells_tagged_raises_exception(path):
+    nb = _load(path)
+    for i, cell in _code(nb):
+        tagged = "raises-exception" in cell.get("metadata", {}).get("tags", [])
+        errors = [f"{o['ename']}: {o['evalue']}" for o in cell.get("outputs", []) if o["output_type"] == "error"]
+        assert tagged or not errors, (
+            f"{path.name}: cell {i} stores an error but is not tagged raises-exception: {errors}")
+        assert errors or not tagged, f"{path.name}: cell {i} is tagged raises-exception but stores no error"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+def test_opens_with_title_and_setup_cell(path):
+    nb = _load(path)
+    first = nb["cells"][0]
+    assert first["cell_type"] == "markdown" and _source(first).lstrip().startswith("# "), (
+        f"{path.name}: the first cell must be markdown starting with a '# Title' line")
+    code = _code(nb)
+    assert code, f"{path.name} has no code cell"
+    setup = _source(code[0][1])
+    assert re.search(r"^%load_ext course_utils\s*$", setup, re.M), (
+        f"{path.name}: the first code cell (the setup cell) must contain '%load_ext course_utils'")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+def test_links_to_previous_next_and_lesson_map(path):
+    nb = _load(path)
+    k = NOTEBOOKS.index(path)
+    wanted = {LESSON_MAP: "the README's lesson map"}
+    if k > 0:
+        wanted[NOTEBOOKS[k - 1].name] = "the previous lesson"
+    if k + 1 < len(NOTEBOOKS):
+        wanted[NOTEBOOKS[k + 1].name] = "the next lesson"
+    code = [i for i, _ in _code(nb)]
+    first, last = (code[0], code[-1]) if code else (len(nb["cells"]), -1)
+    places = {"top (before the setup cell)": nb["cells"][:first],
+              "bottom (after the last code cell)": nb["cells"][last + 1:]}
+    for where, cells in places.items():
+        links = {t.removeprefix("./") for c in cells if c["cell_type"] == "markdown" for t in _links(_source(c))}
+        absent = [f"{what} ({target})" for target, what in wanted.items() if target not in links]
+        assert not absent, f"{path.name}: the nav links at the {where} miss {absent}; found {sorted(links)}"
+    stray = [t for c in nb["cells"] if c["cell_type"] == "markdown" for t in _links(_source(c))
+             if t.endswith(".ipynb") and "://" not in t and not (path.parent / t).exists()]
+    assert not stray, f"{path.name} links to notebooks that do not exist: {stray}"
+
+
+def test_readme_has_the_lesson_map():
+    readme = ROOT / "README.md"
+    assert readme.exists(), "README.md is missing; every lesson links to its lesson map"
+    text = readme.read_text(encoding="utf-8")
+    assert re.search(r"^#+\s+Lesson map\s*$", text, re.M | re.I), (
+        "README.md has no 'Lesson map' heading: the lessons' '../README.md#lesson-map' links land nowhere")
+    unlisted = [p.name for p in NOTEBOOKS if f"notebooks/{p.name}" not in text]
+    assert not unlisted, f"README.md's lesson map does not link these notebooks: {unlisted}"
+
+
+def test_ruff_is_clean():
+    try:
+        import ruff  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("ruff is not installed in the venv (pip install -e '.[test]')")
+        pytest.skip("ruff is not installed in the venv (pip install -e '.[test]')")
+    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format=concise",
+                          "course_utils", "tests", "notebooks"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, f"ruff check course_utils tests notebooks found problems:\n{run.stdout}{run.stderr}"

@@ -1,0 +1,176 @@
+"""course_utils.memory: the per-rank memory breakdown of 01_data_parallelism, measured.
+
+    .venv/bin/python -m pytest tests/test_memory.py -p no:randomly
+"""
+import sys
+
+import cloudpickle
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_utils.memory import MEMORY_KINDS, ActivationMeter, format_bytes, measure_step_memory, tensor_bytes
+from course_utils.models import make_model
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+
+
+def mlp(d_in=8, d_hidden=32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, 1))
+
+
+def test_meter_counts_a_tensor_saved_twice_once():
+    model, x = mlp(), torch.randn(16, 8)
+    with ActivationMeter(exclude=model.parameters()) as meter:
+        model(x)
+    # Saved: x (by the first addmm) and the ReLU output (by the ReLU and again by the second addmm).
+    expected = 16 * (8 + 32) * 4
+    assert meter.bytes == expected, f"expected {expected} bytes (x and one ReLU output), got {meter.bytes}"
+    assert meter.count == 2, f"expected 2 distinct storages, got {meter.count}: {meter.saved}"
+
+
+def test_meter_excludes_only_what_it_is_told():
+    model, x = mlp(), torch.randn(16, 8)
+    with ActivationMeter(exclude=model.parameters()) as without_params:
+        model(x)
+    with ActivationMeter() as with_params:
+        model(x)
+    # The second addmm saves its weight (to compute the gradient of its input, the ReLU output); the first
+    # does not, since x needs no gradient. Biases are never saved.
+    weights = model[2].weight.numel() * 4
+    assert with_params.bytes - without_params.bytes == weights, (
+        f"not excluding the parameters should add exactly the second weight matrix ({weights} bytes), "
+        f"added {with_params.bytes - without_params.bytes}")
+
+
+def test_meter_counts_the_rows_a_slice_reaches_not_the_whole_batch():
+    model = mlp()
+    big = torch.randn(256, 8)
+    with ActivationMeter(exclude=model.parameters()) as sliced:
+        model(big[:16])
+    with ActivationMeter(exclude=model.parameters()) as fresh:
+        model(big[:16].clone())
+    assert sliced.bytes == fresh.bytes, (
+        f"a 16-row slice of a 256-row batch counted {sliced.bytes} bytes, a 16-row copy {fresh.bytes}")
+
+
+def test_meter_is_linear_in_the_batch_and_changes_nothing():
+    model = mlp()
+    sizes = (4, 8, 32)
+    counts = []
+    for b in sizes:
+        with ActivationMeter(exclude=model.parameters()) as meter:
+            F.mse_loss(model(torch.randn(b, 8)), torch.randn(b, 1))
+        counts.append(meter.bytes)
+    assert [c * sizes[0] for c in counts] == [counts[0] * b for b in sizes], f"not linear in batch size: {counts}"
+
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    plain, metered = mlp(), mlp()
+    F.mse_loss(plain(x), y).backward()
+    with ActivationMeter(exclude=metered.parameters()):
+        loss = F.mse_loss(metered(x), y)
+    loss.backward()
+    for p, q in zip(plain.parameters(), metered.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg="the meter must not change the gradients")
+
+
+def test_measure_step_memory_with_adam():
+    model = make_model(seed=0, d_in=16, d_hidden=64)
+    before = [p.detach().clone() for p in model.parameters()]
+    n_params = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    m = measure_step_memory(model, optimizer, F.mse_loss, x, y)
+
+    assert tuple(m) == MEMORY_KINDS, f"keys must be {MEMORY_KINDS}, got {tuple(m)}"
+    assert all(type(v) is int for v in m.values()), f"sizes must be ints (bytes): {m}"
+    assert m["parameters"] == 4 * n_params, f"fp32 parameters: expected {4 * n_params}, got {m['parameters']}"
+    assert m["gradients"] == m["parameters"], "one fp32 gradient per parameter"
+    assert m["optimizer_state"] == 2 * m["parameters"] + 4 * n_tensors, (
+        f"Adam keeps exp_avg, exp_avg_sq and a 4-byte step per tensor: got {m['optimizer_state']}")
+    assert m["activations"] == 32 * (16 + 64 + 1 + 1) * 4, f"input, ReLU output, prediction, target: {m}"
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters())), "the step must update weights"
+
+
+def test_measure_step_memory_with_sgd():
+    for momentum, factor in ((0.0, 0), (0.9, 1)):
+        model = make_model(seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        m = measure_step_memory(model, optimizer, F.mse_loss, torch.randn(8, 16), torch.randn(8, 1))
+        assert m["optimizer_state"] == factor * m["parameters"], (
+            f"SGD(momentum={momentum}) should keep {factor} x the parameters' bytes, got {m['optimizer_state']}")
+
+
+def test_after_backward_runs_between_backward_and_step():
+    model = make_model(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+
+    def zero_the_gradients(m):
+        seen.append(all(p.grad is not None for p in m.parameters()))
+        for p in m.parameters():
+            p.grad.zero_()
+
+    measure_step_memory(model, optimizer, F.mse_loss, torch.randn(8, 16), torch.randn(8, 1),
+                        after_backward=zero_the_gradients)
+    assert seen == [True], "after_backward must be called once, with the gradients already computed"
+    for b, p in zip(before, model.parameters()):
+        torch.testing.assert_close(p.detach(), b, msg="zeroed gradients: the step must not move the weights")
+
+
+def test_tensor_bytes_and_format_bytes():
+    w = torch.zeros(10, 10)
+    assert tensor_bytes([w, w, None, torch.zeros(3, dtype=torch.float16)]) == 400 + 6, "tied tensors count once"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 * 2**20) == "3.0 MiB"
+
+
+def _per_rank_memory():
+    """On every rank: one Adam step in worlds of 1, 2 and 4 ranks, gradients averaged in each."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from course_utils.memory import measure_step_memory
+    from course_utils.models import make_model
+
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    x, y = torch.randn(32, 16), torch.randn(32, 1)          # different data on every rank
+    groups = {n: dist.new_group(ranks=list(range(n))) for n in (1, 2, 4)}
+    out = {}
+    for n, group in groups.items():
+        if rank >= n:
+            continue
+
+        def average(model):
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+                p.grad /= n
+
+        for hook in (average, None):
+            model = make_model(seed=0)
+            mem = measure_step_memory(model, torch.optim.Adam(model.parameters()), F.mse_loss, x, y,
+                                      after_backward=hook)
+            weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+            out[n, hook is not None] = (mem, weights)
+    return out
+
+
+def test_model_state_per_rank_is_flat_in_the_world_size(cluster4):
+    results = cluster4.run(_per_rank_memory)
+    reference = results[0][1, True][0]
+    for r, per_world in enumerate(results):
+        for (n, averaged), (mem, _) in per_world.items():
+            assert mem == reference, f"rank {r}, world size {n}: {mem} differs from one rank alone: {reference}"
+    for n in (2, 4):
+        averaged = [results[r][n, True][1] for r in range(n)]
+        local = [results[r][n, False][1] for r in range(n)]
+        for r in range(1, n):
+            torch.testing.assert_close(averaged[r], averaged[0],
+                                       msg=f"world size {n}: averaged gradients must give equal weights (rank {r})")
+        assert not torch.allclose(local[1], local[0]), (
+            f"world size {n}: without averaging, different data should give different weights")
