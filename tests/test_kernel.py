@@ -19,9 +19,11 @@ def _alive(pid):
 
 
 class Kernel:
-    def __init__(self):
+    def __init__(self, like_jupyterlab=False):
         self.km = KernelManager(kernel_name="python3")
         env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+        if like_jupyterlab:  # not under pytest: the engine shows its live status line
+            env.pop("PYTEST_CURRENT_TEST", None)
         self.km.start_kernel(cwd=os.path.dirname(os.path.dirname(__file__)), env=env)
         self.kc = self.km.client()
         self.kc.start_channels()
@@ -128,3 +130,32 @@ def test_kernel_end_leaves_no_worker(kernel, how):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), f"workers survived the kernel's {how}"
+
+
+def test_live_status_while_running_and_only_the_grouped_output_stays():
+    k = Kernel(like_jupyterlab=True)
+    try:
+        k.execute("%load_ext course_utils")
+        assert k.execute("%%ddp -n 2\nimport time")[0] == "ok"
+        msg_id = k.kc.execute("%%ddp\nfrom course_utils import progress\n"
+                              "for i in progress(range(30), desc='train'):\n    time.sleep(0.1)\nprint('done', rank)")
+        kinds, live_texts, final = [], [], []
+        while True:
+            msg = k.kc.get_iopub_msg(timeout=60)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            kinds.append(kind)
+            if kind in ("display_data", "update_display_data"):
+                live_texts.append(msg["content"]["data"]["text/plain"])
+            if kind == "stream":
+                final.append(msg["content"]["text"])
+            if kind == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        k.reply(msg_id)
+        assert "display_data" in kinds and "update_display_data" in kinds, kinds
+        assert any("train [" in t and "[rank 1]" in t for t in live_texts), live_texts
+        assert kinds.index("clear_output") < kinds.index("stream"), "the live line is cleared before the output"
+        assert "".join(final) == "[rank 0] done 0\n[rank 1] done 1\n"
+    finally:
+        k.close()
