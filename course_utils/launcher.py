@@ -595,7 +595,7 @@ class Cluster:
     def _rank_error(self, results, run_id, only_rank):
         __tracebackhide__ = True
         errors = {r: p for r, (ok, p) in results.items() if not ok}
-        first = min(errors, key=lambda r: errors[r]["time"])
+        first = _first_failure(errors)
         running = [rk for rk in self._ranks if rk.rank not in results]
         stacks = self._stacks(running) if running else {}
         results = dict(results)  # what the ranks had done when the error was noticed
@@ -652,6 +652,18 @@ class Cluster:
         lines += ["", "The ranks were replaced with fresh ones; names you defined on them are gone."]
         return DistributedError(f"rank {first} died: it {how[first]}.", "\n".join(lines), rank=first,
                                 exc_type="ProcessExit", exc_message=how[first], ranks=how)
+
+
+_RELEASED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _first_failure(errors):
+    """The rank to blame: the lowest rank among the errors that are not just a rank being released
+    from a collective, within a second of the earliest one (so that a bug hitting every rank at
+    once is reported the same way every run)."""
+    causes = {r: e for r, e in errors.items() if not any(m in e["message"] for m in _RELEASED)} or errors
+    earliest = min(e["time"] for e in causes.values())
+    return min(r for r, e in causes.items() if e["time"] <= earliest + 1.0)
 
 
 def _dumps_named(values, what):

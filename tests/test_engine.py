@@ -105,6 +105,14 @@ def test_exception_names_first_rank_and_releases_the_others(cluster4):
     assert cluster4.run("import torch\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [4.0] * 4
 
 
+def test_a_bug_on_every_rank_is_blamed_on_the_lowest_rank_every_time(cluster4):
+    for _ in range(3):
+        with pytest.raises(DistributedError) as info:
+            cluster4.run("import time\ntime.sleep(0.01 * (3 - rank))\nraise KeyError(rank)")
+        assert info.value.rank == 0, "the blamed rank must not depend on which rank was fastest"
+        assert "rank 3: then raised KeyError" in str(info.value)
+
+
 def test_function_traceback_shows_its_source(cluster4):
     def faulty(x):
         y = x + 1

@@ -1,7 +1,10 @@
 """Checkers that explain in plain words what is wrong. Each lives in its own module:
 
 - ``check_all_reduce`` (03_all_reduce_by_hand), in ``checks.all_reduce``
+- ``check_grad_averaging`` (05_manual_gradient_averaging), in ``checks.grad_avg``
 - ``check_comm_hook`` (08_comm_hooks), in ``checks.comm_hook``
+- ``check_broadcast_state``, ``check_assign_buckets``, ``check_start_allreduce``, ``check_micro_ddp``,
+  ``check_compressor`` (11_capstone_micro_ddp), in ``checks.micro_ddp``
 
 They raise ``AssertionError`` with an explanation, and return quietly when the code is right.
 """
