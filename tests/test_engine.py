@@ -91,7 +91,7 @@ def test_output_is_prefixed_grouped_and_includes_fd_level_writes(cluster4, capfd
 def test_exception_names_first_rank_and_releases_the_others(cluster4):
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as info:
-        cluster4.run("import torch\nif rank == 2:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))")
+        cluster4.run("import torch, torch.distributed as dist\nif rank == 2:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))")
     assert time.monotonic() - t0 < 15, "the waiting ranks must be released within seconds"
     e = info.value
     assert isinstance(e, RuntimeError)
