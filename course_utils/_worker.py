@@ -140,7 +140,7 @@ class Worker:
                 wait_for_workers=False, **kw)
         store = dist.PrefixStore(f"generation{self.generation}", self.store)
         if self.backend == "nccl":
-            device = torch.device("cuda", self.rank)
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # == rank on one node
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")

@@ -89,6 +89,7 @@ def test_output_is_prefixed_grouped_and_includes_fd_level_writes(cluster4, capfd
 
 # -- failures -----------------------------------------------------------------------------------
 def test_exception_names_first_rank_and_releases_the_others(cluster4):
+    cluster4.run("persisted = rank + 100")
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as info:
         cluster4.run("import torch, torch.distributed as dist\nif rank == 2:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))")
@@ -124,6 +125,7 @@ def test_function_traceback_shows_its_source(cluster4):
 
 
 def test_skipped_collective_times_out_with_stacks_and_recovers(cluster4):
+    cluster4.run("import torch.distributed as dist\npersisted = rank + 100")
     t0 = time.monotonic()
     with pytest.raises(DistributedTimeout) as info:
         cluster4.run("if rank != 3:\n    dist.barrier()", timeout=3)
