@@ -11,10 +11,14 @@ The hooks that teach something (the counting comm hook of 06, the bucket-recordi
 * ``step_time``: median wall time of a training step.
 * ``table``: a plain-text table.
 """
+import re
 import statistics
 import time
 
 import torch
+
+
+_NUMBER = re.compile(r"-?[\d,.]+( [A-Za-z/]+)?")  # 1,234 / 0.25 / 12.3 ms
 
 
 def ring_bytes_per_rank(payload_bytes, world_size):
@@ -29,7 +33,7 @@ def table(headers, rows):
     """A plain-text table; columns of numbers are right-aligned. Introduced in 06_ddp_accumulation_no_sync."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    numeric = [i > 0 and all(r[i][:1].isdigit() for r in cells[1:]) for i in range(len(headers))]
+    numeric = [i > 0 and all(_NUMBER.fullmatch(r[i]) for r in cells[1:]) for i in range(len(headers))]
     lines = []
     for j, r in enumerate(cells):
         parts = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)]

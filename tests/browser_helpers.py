@@ -152,6 +152,7 @@ class JupyterLab:
         """
         if self.proc is None:
             return []
+        leftovers = []
         if self.proc.poll() is None:
             try:
                 self.shutdown_kernels(timeout)
@@ -165,9 +166,9 @@ class JupyterLab:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                leftovers.append(f"pid {self.proc.pid}: the JupyterLab server, up {timeout:.0f} s after /api/shutdown")
                 self._kill_server()
         self.proc = None
-        leftovers = []
         deadline = time.monotonic() + timeout
         for p in self._seen.values():
             while _alive(p) and time.monotonic() < deadline:
@@ -236,7 +237,7 @@ def kernel_state(lab, name):
     return None
 
 
-def open_notebook(page, lab, name, n_cells, timeout=90.0):
+def open_notebook(page, lab, name, n_cells, timeout=120.0):
     """Open ``name`` in JupyterLab and wait until all its cells are rendered and its kernel is idle."""
     page.goto(lab.notebook_url(name))
     _wait(lambda: len(read_cells(page)) == n_cells, timeout,
@@ -255,7 +256,7 @@ def _prompts(page):
     return [c["prompt"].strip() for c in read_cells(page) if c["kind"] == "code"]
 
 
-def run_all_cells(page, name, timeout=180.0):
+def run_all_cells(page, name, timeout=300.0):
     """Clear the stored outputs, Run > Run All Cells, and wait until the kernel is idle with no cell queued.
 
     Clearing first means every output the test then reads was produced in this browser session.

@@ -188,3 +188,14 @@ def test_bf16_builtin_refusal_is_reported(cluster3):
 def test_not_a_function_is_explained():
     with pytest.raises(AssertionError, match="not a function"):
         check_comm_hook(None)
+
+
+def never_completes_hook(state, bucket):  # DDP waits for this future forever
+    return torch.futures.Future()
+
+
+def test_a_hanging_hook_times_out_with_an_explanation(cluster3):
+    # last in the file: the stuck ranks may be replaced with fresh ones
+    with pytest.raises(AssertionError, match=r"did not finish within 5 s on 3 ranks"):
+        check_comm_hook(never_completes_hook, cluster=cluster3, timeout=5)
+    check_comm_hook(allreduce_hook, cluster=cluster3, quiet=True)  # the cluster is usable again

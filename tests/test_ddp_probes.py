@@ -60,6 +60,9 @@ def test_table_aligns_numbers_right_and_text_left():
     assert set(lines[1]) <= {"-", "+"}, f"second line must be a rule: {lines[1]!r}"
     assert lines[2] == "a         |     1", lines
     assert lines[3] == "long name |   100", lines
+    names = table(["bucket", "parameters", "time"], [[0, "14.bias, 14.weight", "1.5 ms"], [1, "0.bias", "12.25 ms"]])
+    assert names.splitlines()[3] == "1      | 0.bias             | 12.25 ms", (
+        f"parameter names that start with a digit are text (left), timings are numbers (right):\n{names}")
 
 
 def test_overlap_counts_only_comm_inside_the_compute_window():

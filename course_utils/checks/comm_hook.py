@@ -47,8 +47,9 @@ def _on_rank(hook, state, steps, seed, lr):
     from course_utils.models import make_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference = DDP(make_model(seed))
-    tested = DDP(make_model(seed))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    reference = DDP(make_model(seed).to(device))
+    tested = DDP(make_model(seed).to(device))
     out = {"grads": [], "error": None}
     try:
         if callable(state):
@@ -59,7 +60,7 @@ def _on_rank(hook, state, steps, seed, lr):
         return out
     for step in range(steps):
         x, y = make_regression(n=8 * world, d_in=16, seed=1000 + step)
-        x, y = x[rank::world], y[rank::world]  # each rank its own shard
+        x, y = x[rank::world].to(device), y[rank::world].to(device)  # each rank its own shard
         reference.zero_grad()
         torch.nn.functional.mse_loss(reference(x), y).backward()
         tested.zero_grad()
@@ -68,7 +69,7 @@ def _on_rank(hook, state, steps, seed, lr):
         except Exception as exc:
             out["error"] = (f"step {step}", _short_error(exc))
             return out
-        out["grads"].append((flat_grad(reference), flat_grad(tested)))
+        out["grads"].append((flat_grad(reference).cpu(), flat_grad(tested).cpu()))
         with torch.no_grad():  # both models take the reference step: they stay identical
             for p, q in zip(reference.parameters(), tested.parameters()):
                 p -= lr * p.grad
@@ -155,7 +156,15 @@ def check_comm_hook(hook, state=None, rtol=1e-5, *, steps=3, world_size=None, cl
                              "check_comm_hook(my_hook), not check_comm_hook(my_hook(...)).")
     cluster = cluster or _cluster_for(world_size)
     world = cluster.world_size
-    results = cluster.run(_on_rank, hook, state, steps, seed, lr, timeout=timeout)
+    from course_utils import DistributedTimeout
+
+    try:
+        results = cluster.run(_on_rank, hook, state, steps, seed, lr, timeout=timeout)
+    except DistributedTimeout as exc:
+        raise AssertionError(
+            f"{name} did not finish within {timeout:g} s on {world} ranks: a hook that waits forever usually "
+            "issues different collectives on different ranks (e.g. one inside `if rank == 0:`), or "
+            f"waits on a future that never completes.\n{exc.summary}") from None
 
     for r, res in enumerate(results):
         if res["error"] is not None:
