@@ -7,7 +7,6 @@ rendezvous store and the backend's connections, all on 127.0.0.1.
 """
 import atexit
 import os
-import pickle
 import select
 import signal
 import socket
@@ -627,7 +626,7 @@ class Cluster:
         for rk in stuck:
             info = stacks.get(rk.rank, {})
             if info.get("stack"):
-                lines += [f"", f"Python stack of rank {rk.rank} (most recent call last):", info["stack"].rstrip()]
+                lines += ["", f"Python stack of rank {rk.rank} (most recent call last):", info["stack"].rstrip()]
         lines += ["", note]
         return DistributedTimeout(
             f"{_plural([rk.rank for rk in stuck])} did not finish within {timeout:g} s "

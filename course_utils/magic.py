@@ -7,7 +7,6 @@
     %ddp export PATH            write the %%ddp cells run so far as a torchrun script
 """
 import argparse
-import os
 import shlex
 import sys
 import time
@@ -179,7 +178,8 @@ class DDPMagics(Magics):
             write_script(rest[0], _CELLS)
             print(f"wrote {len(_CELLS)} %%ddp cells to {rest[0]}; run it with: torchrun --nproc-per-node=2 {rest[0]}")
             return None
-        raise ValueError(f"%ddp {cmd}: unknown command. Use pull NAME, push NAME, restart, status, shutdown or export PATH.")
+        raise ValueError(f"%ddp {cmd}: unknown command. "
+                         "Use pull NAME, push NAME, restart, status, shutdown or export PATH.")
 
     def _status(self):
         c = _CLUSTER

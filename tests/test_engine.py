@@ -92,7 +92,8 @@ def test_exception_names_first_rank_and_releases_the_others(cluster4):
     cluster4.run("persisted = rank + 100")
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as info:
-        cluster4.run("import torch, torch.distributed as dist\nif rank == 2:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))")
+        cluster4.run("import torch, torch.distributed as dist\n"
+                     "if rank == 2:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))")
     assert time.monotonic() - t0 < 15, "the waiting ranks must be released within seconds"
     e = info.value
     assert isinstance(e, RuntimeError)
