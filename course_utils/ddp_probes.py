@@ -33,7 +33,7 @@ def table(headers, rows):
     """A plain-text table; columns of numbers are right-aligned. Introduced in 06_ddp_accumulation_no_sync."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    numeric = [i > 0 and all(_NUMBER.fullmatch(r[i]) for r in cells[1:]) for i in range(len(headers))]
+    numeric = [i > 0 and all(_NUMBER.fullmatch(r[i].strip()) for r in cells[1:]) for i in range(len(headers))]
     lines = []
     for j, r in enumerate(cells):
         parts = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)]
