@@ -21,6 +21,7 @@ import traceback
 from course_utils import _wire
 
 _CHANNEL = None  # set in main(); course_utils.progress uses it to report from a worker
+PREWARM_AFTER_S = 1.0  # idle this long after start-up, a rank pre-imports what training needs
 _HERE = os.path.abspath(__file__)
 
 
@@ -252,6 +253,15 @@ class Worker:
             return eval(compile(last, filename, "eval"), self.ns)
         return None
 
+    @staticmethod
+    def prewarm():
+        """Import torch._dynamo, which the first optimizer or DDP wrapper on a rank imports lazily
+        (seconds per rank on a laptop). Done in the main thread, only while the rank is idle."""
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:
+            pass
+
     def on_sigint(self, signum, frame):
         if self.busy:
             raise KeyboardInterrupt
@@ -267,9 +277,14 @@ class Worker:
             self.channel.send(("ready", self.rank, False, _error_info(exc)))
             return
         self.channel.send(("ready", self.rank, True, {"pid": os.getpid()}))
+        warm = False
         while True:
             try:
-                msg = self.commands.get()
+                msg = self.commands.get(timeout=None if warm else PREWARM_AFTER_S)
+            except queue.Empty:  # the learner is reading: pay for DDP's and optim's lazy import now
+                warm = True
+                self.prewarm()
+                continue
             except KeyboardInterrupt:
                 continue
             if msg[0] == "shutdown":

@@ -143,6 +143,7 @@ def test_skipped_collective_times_out_with_stacks_and_recovers(cluster4):
 
 
 def test_endless_loop_times_out_and_idle_time_does_not_count(cluster4):
+    cluster4.run("import torch._dynamo")  # the ranks' idle-time pre-import is over (or done now)
     time.sleep(2.5)  # idle between cells: must not count towards the next call's timeout
     assert cluster4.run("import time\ntime.sleep(1.5)\nrank", timeout=2) == [0, 1, 2, 3]
     with pytest.raises(DistributedTimeout) as info:
