@@ -25,6 +25,7 @@ instead, which sends the same bytes (08_comm_hooks proves it gives the same grad
 """
 import functools
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ _CONTRIBUTES = {
 }
 
 _lock = threading.RLock()
-_active = []                  # counters that have wrapped a hook (weakly: see ByteCounter.close)
+_active = weakref.WeakSet()   # counters that have wrapped a hook and are not closed
 _local = threading.local()    # .inside: the counter whose hook this thread is running, or None
 _hook_threads = set()         # threads that have called a wrapped hook (the training threads)
 _originals = {}
@@ -81,7 +82,7 @@ def _counting(name, original):
             # a backend thread running a hook future's callback: count it for the counters
             # whose hook is in flight
             with _lock:
-                targets = [c for c in _active if c._in_flight]
+                targets = [c for c in list(_active) if c._in_flight]
         else:
             targets = [counter] if counter is not None and counter in _active else []
         if targets:
@@ -127,8 +128,7 @@ class ByteCounter:
         """``hook`` with byte counting: register the result with ``model.register_comm_hook``."""
         _install()
         with _lock:
-            if self not in _active:
-                _active.append(self)
+            _active.add(self)
 
         @functools.wraps(hook)
         def counted(state, bucket):
@@ -204,8 +204,7 @@ class ByteCounter:
     def close(self):
         """Stop counting (the wrapped hook still works)."""
         with _lock:
-            if self in _active:
-                _active.remove(self)
+            _active.discard(self)
 
     def __getstate__(self):  # picklable, so `%ddp pull counter` brings the counts to the notebook
         state = dict(self.__dict__)

@@ -129,7 +129,7 @@ class _Rank:
             end = buf.find(b"\n", cut)
             if end < 0:
                 break
-            self._add_lines(name, buf[:cut], final=True)
+            self._add_final(name, buf[:cut])
             self.ended[name] = int(buf[cut + len(_wire.END_MARK):end])
             buf = buf[end + 1:]
         *whole, rest = buf.split(b"\n")
@@ -137,12 +137,15 @@ class _Rank:
             self._add_line(name, line)
         self.partial[name] = rest
 
-    def _add_lines(self, name, data, final):
+    def _add_final(self, name, data):
+        """The last output of a command: whole lines, blank ones included; a final newline ends them."""
         if not data:
             return
-        for line in data.split(b"\n"):
-            if line or not final:
-                self._add_line(name, line)
+        lines = data.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
+        for line in lines:
+            self._add_line(name, line)
 
     def _add_line(self, name, raw):
         text = raw.decode("utf-8", "replace").rstrip("\r").split("\r")[-1]
