@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ip=127.0.0.1 notebooks/00_launcher_tour.ipynb
+	$(BIN)/jupyter lab --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/00_launcher_tour.ipynb
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -45,6 +45,20 @@ class DistributedTimeout(DistributedError, TimeoutError):
     """No result within ``timeout`` seconds: says which ranks finished and where the others are stuck."""
 
 
+class CellSyntaxError(ValueError):
+    """The code sent to the ranks does not parse; nothing ran. Shows just the offending line."""
+
+    def __init__(self, error):
+        import traceback
+
+        self.error = error
+        self.lines = traceback.format_exception_only(type(error), error)
+        super().__init__("".join(self.lines).rstrip() + "\n(nothing ran on the ranks: fix the line above)")
+
+    def _render_traceback_(self):
+        return "".join(self.lines).rstrip().splitlines() + ["(nothing ran on the ranks: fix the line above)"]
+
+
 def _gpu_count():
     """Visible CUDA devices, without initialising CUDA in this process."""
     torch = sys.modules.get("torch")
@@ -374,8 +388,8 @@ class Cluster:
     def _code_message(source, filename):
         try:
             compile(source, filename, "exec")
-        except SyntaxError:
-            raise  # shown by IPython like any syntax error, before any rank runs
+        except SyntaxError as exc:  # caught here, before any rank runs
+            raise CellSyntaxError(exc) from None
         return lambda run_id: ("code", run_id, source, filename)
 
     @staticmethod

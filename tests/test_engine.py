@@ -182,6 +182,16 @@ def test_bad_arguments_raise_value_error(kwargs, words):
         Cluster(**kwargs)
 
 
+def test_syntax_error_is_reported_before_any_rank_runs(cluster4):
+    from course_utils import CellSyntaxError
+
+    cluster4.run("marker = 'before'")
+    with pytest.raises(CellSyntaxError, match="invalid syntax") as info:
+        cluster4.run("marker = 'after'\nx = = 1")
+    assert isinstance(info.value, ValueError) and "x = = 1" in str(info.value)
+    assert cluster4.pull("marker") == ["before"] * 4, "nothing may run when the cell does not parse"
+
+
 def test_unpicklable_argument_is_named(cluster4):
     import threading
 
