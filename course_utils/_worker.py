@@ -12,6 +12,7 @@ import linecache
 import os
 import queue
 import signal
+import socket
 import sys
 import sysconfig
 import threading
@@ -21,7 +22,7 @@ import traceback
 from course_utils import _wire
 
 _CHANNEL = None  # set in main(); course_utils.progress uses it to report from a worker
-PREWARM_AFTER_S = 1.0  # idle this long after start-up, a rank pre-imports what training needs
+PREWARM_AFTER_S = float(os.environ.get("COURSE_UTILS_PREWARM_S", "1.0"))  # idle this long, a rank pre-imports what training needs
 _HERE = os.path.abspath(__file__)
 
 
@@ -154,10 +155,33 @@ class Worker:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            self.cut_peer_connections()
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+    @staticmethod
+    def cut_peer_connections():
+        """Shut down this rank's TCP connections to the other ranks (not those to the store), so
+        that ranks waiting for us in a collective get an error now. Destroying the process group
+        is not enough: once torch._dynamo is imported (by the first optimizer or DDP), something
+        keeps the gloo context, and its sockets, alive after destroy_process_group()."""
+        store_port = int(os.environ["MASTER_PORT"])
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                    continue
+                sock = socket.socket(fileno=int(name))
+            except OSError:
+                continue
+            try:
+                if sock.type == socket.SOCK_STREAM and store_port not in (sock.getsockname()[1], sock.getpeername()[1]):
+                    sock.shutdown(socket.SHUT_RDWR)
+            except (OSError, IndexError, TypeError):
+                pass  # listening or not connected: nothing to cut
+            finally:
+                sock.detach()  # the fd stays gloo's
 
     # -- commands ----------------------------------------------------------------------
     def control_loop(self):
@@ -177,8 +201,10 @@ class Worker:
                     "stack": "".join(traceback.format_list(stack)),
                     "where": _where(stack),
                 }))
-            elif kind == "abort":
-                if not self.busy:  # idle: drop our connections so ranks stuck waiting for us error out
+            elif kind == "abort":  # drop our connections so that every rank stuck in a collective errors out
+                if self.busy:
+                    self.cut_peer_connections()  # our own main thread too, if it waits in a recv
+                else:
                     self.destroy_process_group()
             else:
                 self.commands.put(msg)

@@ -109,6 +109,27 @@ def test_exception_names_first_rank_and_releases_the_others(cluster4):
     assert cluster4.run("import torch\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [4.0] * 4
 
 
+def test_ranks_are_released_after_torch_dynamo_is_imported(cluster4):
+    # The first optimizer or DDP wrapper imports torch._dynamo, after which destroying the process
+    # group no longer closes gloo's sockets; the engine must release the waiting ranks anyway.
+    cluster4.run("import torch, torch._dynamo, torch.distributed as dist\n"
+                 "opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)")
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError) as info:
+        cluster4.run("if rank == 1:\n    raise ValueError('late')\ndist.all_reduce(torch.ones(1))")
+    assert time.monotonic() - t0 < 10
+    assert "rank 0: then raised" in str(info.value) and "names you defined are kept" in str(info.value)
+
+
+def test_a_deadlock_is_released_without_losing_names(cluster4):
+    cluster4.run("kept_through_deadlock = rank")
+    with pytest.raises(DistributedTimeout) as info:  # every rank waits to receive first
+        cluster4.run("import torch\nbuf = torch.zeros(1)\ndist.recv(buf, src=(rank + 1) % world_size)", timeout=3)
+    assert "rank 0: stuck in recv()" in str(info.value)
+    assert "names you defined are kept" in str(info.value)
+    assert cluster4.pull("kept_through_deadlock") == [0, 1, 2, 3]
+
+
 def test_a_bug_on_every_rank_is_blamed_on_the_lowest_rank_every_time(cluster4):
     for _ in range(3):
         with pytest.raises(DistributedError) as info:
