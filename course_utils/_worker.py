@@ -22,7 +22,8 @@ import traceback
 from course_utils import _wire
 
 _CHANNEL = None  # set in main(); course_utils.progress uses it to report from a worker
-PREWARM_AFTER_S = float(os.environ.get("COURSE_UTILS_PREWARM_S", "1.0"))  # idle this long, a rank pre-imports what training needs
+# idle this long, a rank pre-imports what training needs (see Worker.prewarm)
+PREWARM_AFTER_S = float(os.environ.get("COURSE_UTILS_PREWARM_S", "1.0"))
 _HERE = os.path.abspath(__file__)
 
 

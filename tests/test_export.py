@@ -42,12 +42,16 @@ def test_exported_script_runs_under_torchrun(tmp_path):
     path = write_script(tmp_path / "exported.py", CELLS)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     env.pop("PYTEST_CURRENT_TEST", None)
+    logs = tmp_path / "logs"  # one stdout file per rank: on a shared stdout, two ranks' lines can mix mid-line
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+                           f"--log-dir={logs}", "--redirects=1", str(path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"the exported script failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith(("rank ", "[rank ")))
+    out = "".join(p.read_text() for p in sorted(logs.rglob("stdout.log")))
+    assert len(list(logs.rglob("stdout.log"))) == 2, f"expected one stdout.log per rank under {logs}"
+    lines = sorted(line for line in out.splitlines() if line.startswith(("rank ", "[rank ")))
     assert lines == [
         "[rank 0] (0, 6.0)", "[rank 0] 10", "[rank 1] (1, 6.0)", "[rank 1] 11",
         "rank 0 of 2 on cpu: sum 3", "rank 1 of 2 on cpu: sum 3",
-    ], f"unexpected output of the exported script:\n{proc.stdout}"
-    assert "never runs" not in proc.stdout, "a !shell line must not run"
+    ], f"unexpected output of the exported script:\n{out}"
+    assert "never runs" not in out + proc.stdout, "a !shell line must not run"
