@@ -5,7 +5,6 @@ torch.distributed initialised once, so a cell costs a pipe round trip, not a pro
 The notebook talks to its ranks over private pipes; the only sockets are torch's own
 rendezvous store and the backend's connections, all on 127.0.0.1.
 """
-import atexit
 import os
 import select
 import signal
@@ -134,7 +133,7 @@ class _Rank:
     def send(self, msg):
         _wire.write_all(self.cmd_w, _wire.dump(msg))
 
-    def feed_stream(self, name, data, run_id):
+    def feed_stream(self, name, data):
         buf = self.partial[name] + data
         while True:
             cut = buf.find(_wire.END_MARK)
@@ -363,8 +362,8 @@ class Cluster:
         """Run a string of code or a function on every rank; return the rank-ordered results.
 
         For a string, the result is the value of its last expression (None if there is none).
-        ``timeout`` (seconds) overrides the cluster's for this call only. To pass a keyword
-        argument named ``timeout`` to your function, use ``run(fn, kwargs={...})``-style closures.
+        ``timeout`` (seconds) overrides the cluster's for this call only (so a function's own
+        ``timeout`` argument cannot be passed through ``run``: bind it with functools.partial).
         """
         if isinstance(code_or_fn, str):
             if args or kwargs:
@@ -434,7 +433,7 @@ class Cluster:
                     continue
                 msgs += [(rk, m) for m in rk.frames.feed(data)]
             elif data:
-                rk.feed_stream(rk.streams[fd], data, self._run_id)
+                rk.feed_stream(rk.streams[fd], data)
         for rk, m in msgs:
             if m[0] == "progress":
                 rk.progress = m[2:]
@@ -452,7 +451,7 @@ class Cluster:
                     break
                 if not data:
                     break
-                rk.feed_stream(name, data, self._run_id)
+                rk.feed_stream(name, data)
         rk.flush_partial()
 
     def _send_all(self, make):
@@ -489,7 +488,7 @@ class Cluster:
                     break
                 dead = [rk for rk in pending if rk.dead]
                 if dead:
-                    raise self._dead_error(dead, results, run_id, only_rank)
+                    raise self._dead_error(dead, only_rank)
                 now = time.monotonic()
                 if live is not None:
                     live.update(self._ranks, now - t0)
@@ -650,7 +649,7 @@ class Cluster:
             "(a rank skipped a collective, or is still computing: raise --timeout if so).",
             "\n".join(lines), ranks=states)
 
-    def _dead_error(self, dead, results, run_id, only_rank):
+    def _dead_error(self, dead, only_rank):
         __tracebackhide__ = True
         for rk in dead:
             try:
@@ -731,5 +730,3 @@ def launch(fn, *args, world_size=2, backend="auto", timeout=60, **kwargs):
     with Cluster(world_size=world_size, backend=backend, timeout=timeout) as cluster:
         return cluster.run(fn, *args, **kwargs)
 
-
-atexit.register(lambda: None)  # finalizers of live clusters run at exit and kill their ranks
