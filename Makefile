@@ -9,13 +9,15 @@ STAMP := $(VENV)/.installed
 .PHONY: lab test notebooks bench clean
 
 $(STAMP): pyproject.toml
+	@echo "Setting up $(VENV): torch (CPU) and the course's packages, about 2 minutes and 1.5 GB the first time"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/00_launcher_tour.ipynb
+	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root,) \
+		notebooks/00_launcher_tour.ipynb
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

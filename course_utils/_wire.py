@@ -13,6 +13,16 @@ import cloudpickle
 from cloudpickle import cloudpickle as _cp
 
 HEADER = struct.Struct("!Q")
+
+
+class _Missing:
+    """What a rank answers to pull() for a name it does not have (pickled by reference)."""
+
+    def __repr__(self):
+        return "<missing>"
+
+
+MISSING = _Missing()
 END_MARK = b"\x00course_utils-end:"  # written to a worker's stdout/stderr after each command
 
 

@@ -255,11 +255,8 @@ class Worker:
             elif kind == "push":
                 self.ns.update(cloudpickle.loads(msg[2]))
                 value = None
-            elif kind == "pull":
-                name = msg[2]
-                if name not in self.ns:
-                    raise NameError(f"name {name!r} is not defined on rank {self.rank}")
-                value = self.ns[name]
+            elif kind == "pull":  # a name that is not there is an answer, not a failure
+                value = self.ns.get(msg[2], _wire.MISSING)
             else:
                 raise ValueError(f"unknown command {kind!r}")
         except BaseException as exc:

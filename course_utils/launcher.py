@@ -379,8 +379,13 @@ class Cluster:
         self._request(lambda run_id: ("push", run_id, blob), None)
 
     def pull(self, name):
-        """The value of ``name`` on every rank, rank-ordered."""
-        return self._request(lambda run_id: ("pull", run_id, name), None)
+        """The value of ``name`` on every rank, rank-ordered. NameError if a rank lacks it."""
+        values = self._request(lambda run_id: ("pull", run_id, name), None)
+        missing = [r for r, v in enumerate(values) if isinstance(v, type(_wire.MISSING))]
+        if missing:
+            raise NameError(f"name {name!r} is not defined on {_plural(missing)}: define it in a %%ddp cell "
+                            "(names do not survive a restart or a change of world size)")
+        return values
 
     # -- messages ------------------------------------------------------------------------
     @staticmethod
@@ -468,8 +473,8 @@ class Cluster:
             self._start()
         elif not self.alive:
             self.restart()
-        for rk in self._ranks:
-            rk.progress = None
+        for rk in self._ranks:  # the live status shows this cell's lines only
+            rk.progress, rk.last_line = None, ""
         self._run_id += 1
         run_id = self._run_id
         self._done = {run_id: {}}
@@ -497,9 +502,9 @@ class Cluster:
                 if now - t0 > timeout:
                     raise self._timeout_error(results, run_id, timeout, only_rank)
         except KeyboardInterrupt:
-            self._recover(run_id, interrupt=True)
+            note = self._recover(run_id, interrupt=True)
             self._show(only_rank)
-            raise
+            raise KeyboardInterrupt(f"interrupted: every rank stopped. {note}") from None
         finally:
             self._close_live()
         if any(not ok for ok, _ in results.values()) or len(results) < self.world_size:

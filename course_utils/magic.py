@@ -11,6 +11,7 @@ import shlex
 import sys
 import time
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from course_utils import launcher
@@ -54,6 +55,13 @@ class LiveView:
         self.handle = None
         self.shown_at = 0.0
         self.world_size = world_size
+
+    def starting(self, world_size):
+        """Shown while fresh ranks import torch (seconds), so a first cell is not silent."""
+        from IPython.display import display
+
+        text = f"starting {world_size} ranks (fresh Python interpreters importing torch)..."
+        self.handle = display({"text/plain": text}, raw=True, display_id=True)
 
     def update(self, ranks, elapsed):
         if elapsed < 0.5 or time.monotonic() - self.shown_at < 0.25:
@@ -99,29 +107,51 @@ def _cell_parser():
     return p
 
 
+OPTIONS = "Options: -n/--world-size N, --backend auto|gloo|nccl, --timeout SECONDS, --rank R"
+
+
 def _parse(line):
+    """Options of a %%ddp line; a mistake is a UsageError (IPython shows just the message)."""
     try:
-        args, rest = _cell_parser().parse_known_args(shlex.split(line))
-    except (argparse.ArgumentError, SystemExit) as exc:
-        raise ValueError(f"%%ddp: {exc}. Options: -n/--world-size N, --backend auto|gloo|nccl, "
-                         "--timeout SECONDS, --rank R") from None
+        args, rest = _cell_parser().parse_known_args(shlex.split(line, comments=True))
+    except (argparse.ArgumentError, SystemExit, ValueError) as exc:
+        raise UsageError(f"%%ddp: {exc}. {OPTIONS}") from None
     if rest:
-        raise ValueError(f"%%ddp: unknown option(s) {' '.join(rest)}. Options: -n/--world-size N, "
-                         "--backend auto|gloo|nccl, --timeout SECONDS, --rank R")
+        raise UsageError(f"%%ddp: unknown option(s) {' '.join(rest)}. {OPTIONS}")
+    if args.world_size is not None and args.world_size < 1:
+        raise UsageError(f"%%ddp -n {args.world_size}: the world size must be at least 1.")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError(f"%%ddp --timeout {args.timeout:g}: the timeout must be a positive number of seconds.")
+    size = args.world_size if args.world_size is not None else (_CLUSTER.world_size if _CLUSTER else 2)
+    if args.rank is not None and not 0 <= args.rank < size:
+        raise UsageError(f"%%ddp --rank {args.rank}: there is no such rank. Ranks go from 0 to {size - 1}.")
     return args
 
 
 def get_cluster(world_size=None, backend=None):
-    """The notebook's persistent cluster, (re)started if the requested shape differs."""
+    """The notebook's persistent cluster (the one ``%%ddp`` cells run on), started if needed."""
+    return _cluster_for(world_size, backend)[0]
+
+
+def _cluster_for(world_size=None, backend=None, live=None):
+    """The notebook's cluster, (re)started if the requested shape differs, and a note that says
+    when ranks holding names were replaced."""
     global _CLUSTER
-    c = _CLUSTER
-    if c is not None and ((world_size and world_size != c.world_size)
-                          or (backend and backend != c.requested_backend)):
+    c, note = _CLUSTER, None
+    if c is not None and ((world_size is not None and world_size != c.world_size)
+                          or (backend is not None and backend != c.requested_backend)):
+        launcher.choose_backend(backend or c.requested_backend, world_size or c.world_size)  # bad input: keep c
+        note = (f"(started {world_size or c.world_size} fresh ranks: the names defined on the previous "
+                f"{c.world_size} are gone)")
         shutdown_cluster()
         c = None
     if c is None:
-        c = _CLUSTER = launcher.Cluster(world_size=world_size or 2, backend=backend or "auto")
-    return c
+        size = world_size if world_size is not None else 2
+        launcher.choose_backend(backend or "auto", size)
+        if live is not None:
+            live.starting(size)
+        c = _CLUSTER = launcher.Cluster(world_size=size, backend=backend or "auto")
+    return c, note
 
 
 @magics_class
@@ -132,13 +162,19 @@ class DDPMagics(Magics):
         if cell is None:
             return self._line(line)
         args = _parse(line)
-        if args.rank is not None and not 0 <= args.rank < (args.world_size or (_CLUSTER.world_size if _CLUSTER else 2)):
-            raise ValueError(f"%%ddp --rank {args.rank}: there is no such rank. Ranks go from 0 to world_size - 1.")
-        cluster = get_cluster(args.world_size, args.backend)
-        filename = _this_cell_name()
-        make = cluster._code_message(cell, filename)
-        live = None if launcher._under_nbval() else LiveView(cluster.world_size)
+        live = None if launcher._under_nbval() else LiveView(args.world_size or 2)
+        try:
+            cluster, note = _cluster_for(args.world_size, args.backend, live)
+        except BaseException:
+            if live is not None:
+                live.close()
+            raise
+        if live is not None:
+            live.world_size = cluster.world_size
+        make = cluster._code_message(cell, _this_cell_name())
         values = cluster._request(make, args.timeout, live=live, only_rank=args.rank)
+        if note:
+            print(note)
         _CELLS.append((line, cell))
         if all(v is None for v in values):
             return None
@@ -152,13 +188,15 @@ class DDPMagics(Magics):
             return self._status()
         cmd, rest = words[0], words[1:]
         if cmd in ("pull", "push") and len(rest) != 1:
-            raise ValueError(f"usage: %ddp {cmd} NAME")
+            raise UsageError(f"usage: %ddp {cmd} NAME")
         if cmd == "pull":
-            return RankValues(get_cluster().pull(rest[0]))
+            if _CLUSTER is None:
+                raise UsageError(f"%ddp pull {rest[0]}: no ranks are running. Run a %%ddp cell first.")
+            return RankValues(_CLUSTER.pull(rest[0]))
         if cmd == "push":
             name = rest[0]
             if name not in self.shell.user_ns:
-                raise ValueError(f"%ddp push {name}: {name!r} is not defined in the notebook. Define it first.")
+                raise UsageError(f"%ddp push {name}: {name!r} is not defined in the notebook. Define it first.")
             get_cluster().push(**{name: self.shell.user_ns[name]})
             return None
         if cmd == "restart":
@@ -172,13 +210,14 @@ class DDPMagics(Magics):
             return self._status()
         if cmd == "export":
             if len(rest) != 1:
-                raise ValueError("usage: %ddp export PATH")
+                raise UsageError("usage: %ddp export PATH")
             from course_utils.export import write_script
 
             write_script(rest[0], _CELLS)
-            print(f"wrote {len(_CELLS)} %%ddp cells to {rest[0]}; run it with: torchrun --nproc-per-node=2 {rest[0]}")
+            print(f"wrote {len(_CELLS)} %%ddp cells to {rest[0]}; "
+                  f"run it with: torchrun --standalone --nproc-per-node=2 {rest[0]}")
             return None
-        raise ValueError(f"%ddp {cmd}: unknown command. "
+        raise UsageError(f"%ddp {cmd}: unknown command. "
                          "Use pull NAME, push NAME, restart, status, shutdown or export PATH.")
 
     def _status(self):

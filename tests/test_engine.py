@@ -25,8 +25,11 @@ def test_names_persist_and_push_pull(cluster4):
 
 
 def test_pull_of_unknown_name_is_a_clear_error(cluster4):
-    with pytest.raises(DistributedError, match="not defined"):
+    with pytest.raises(NameError, match="'no_such_name' is not defined on ranks 0, 1, 2, 3"):
         cluster4.pull("no_such_name")
+    cluster4.run("only_on_two = 1 if rank == 2 else None\nif rank != 2:\n    del only_on_two")
+    with pytest.raises(NameError, match="not defined on ranks 0, 1, 3"):
+        cluster4.pull("only_on_two")
     assert cluster4.run("rank") == [0, 1, 2, 3], "the cluster stays usable"
 
 
@@ -282,7 +285,7 @@ def test_restart_and_shutdown():
     c.run("kept = 1")
     c.restart()
     assert c.pids != old
-    with pytest.raises(DistributedError, match="not defined"):
+    with pytest.raises(NameError, match="not defined"):
         c.pull("kept")
     c.shutdown()
     c.shutdown()  # twice is fine

@@ -87,8 +87,14 @@ def test_magic_runs_on_every_rank_and_shows_rank_prefixed_output(kernel):
     assert kernel.execute("%%ddp\nshared['lr'] * (rank + 1)")[1] == "[rank 0] 0.1\n[rank 1] 0.2\n"
     status, _, ename = kernel.execute("%%ddp\nif rank == 1:\n    undefined_name")
     assert (status, ename) == ("error", "DistributedError")
-    status, out, ename = kernel.execute("%%ddp --bogus 1\n1")
-    assert (status, ename) == ("error", "ValueError")
+    for bad in ("--bogus 1", "-n four", "-n 0", "--rank 9", "--timeout -1", "--backend nccl"):
+        status, out, ename = kernel.execute(f"%%ddp {bad}\n1")
+        assert status == "error", bad
+        assert ename == "ValueError" or "UsageError: %%ddp" in out, (bad, ename, out)  # IPython prints UsageErrors
+    assert kernel.execute("%%ddp\nrank")[1] == "[rank 0] 0\n[rank 1] 1\n", "a bad option must not touch the ranks"
+    status, out, _ = kernel.execute("%%ddp -n 3  # a comment after the options is fine\nrank")
+    assert out == ("(started 3 fresh ranks: the names defined on the previous 2 are gone)\n"
+                   "[rank 0] 0\n[rank 1] 1\n[rank 2] 2\n"), out
 
 
 def test_stop_button_interrupts_the_cell_and_the_next_cell_works(kernel):
