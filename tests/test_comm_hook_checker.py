@@ -111,39 +111,18 @@ def test_article_hook_raises_and_is_explained(cluster3):
     assert "fut.value()[0]" in msg, f"the hint should say how to fix it: {msg}"
 
 
-def test_sum_is_reported_with_its_factor(cluster3):
-    with pytest.raises(AssertionError, match=r"SUM .* 3 \(= world_size\) times the mean"):
-        check_comm_hook(sum_hook, cluster=cluster3)
-
-
-def test_dividing_twice_is_reported(cluster3):
-    with pytest.raises(AssertionError, match=r"1/3 of DDP's: it divides by world_size twice"):
-        check_comm_hook(twice_divided_hook, cluster=cluster3)
-
-
-def test_no_communication_is_reported(cluster3):
-    with pytest.raises(AssertionError, match=r"rank 1's gradients differ from rank 0's"):
-        check_comm_hook(local_hook, cluster=cluster3)
-
-
-def test_zeros_are_reported(cluster3):
-    with pytest.raises(AssertionError, match=r"all ZERO"):
-        check_comm_hook(zero_hook, cluster=cluster3)
-
-
-def test_garbage_is_reported(cluster3):
-    with pytest.raises(AssertionError, match=r"not a scaled copy either: garbage"):
-        check_comm_hook(shuffled_hook, cluster=cluster3)
-
-
-def test_overflow_is_reported(cluster3):
-    with pytest.raises(AssertionError, match=r"inf/nan .* 65504"):
-        check_comm_hook(overflow_hook, cluster=cluster3)
-
-
-def test_wrong_shape_is_reported_as_a_raise(cluster3):
-    with pytest.raises(AssertionError, match=r"wrong_shape_hook raised on rank 0"):
-        check_comm_hook(wrong_shape_hook, cluster=cluster3)
+@pytest.mark.parametrize("hook, explanation", [
+    (sum_hook, r"SUM .* 3 \(= world_size\) times the mean"),
+    (twice_divided_hook, r"1/3 of DDP's: it divides by world_size twice"),
+    (local_hook, r"rank 1's gradients differ from rank 0's"),
+    (zero_hook, r"all ZERO"),
+    (shuffled_hook, r"not a scaled copy either: garbage"),
+    (overflow_hook, r"inf/nan .* 65504"),
+    (wrong_shape_hook, r"wrong_shape_hook raised on rank 0"),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_each_wrong_hook_gets_its_explanation(cluster3, hook, explanation):
+    with pytest.raises(AssertionError, match=explanation):
+        check_comm_hook(hook, cluster=cluster3)
 
 
 def test_fp16_fails_the_lossless_default_but_passes_a_loose_rtol(cluster3, capsys):
