@@ -137,16 +137,17 @@ def _cluster_for(world_size=None, backend=None, live=None):
     """The notebook's cluster, (re)started if the requested shape differs, and a note that says
     when ranks holding names were replaced."""
     global _CLUSTER
-    c, note = _CLUSTER, None
+    c, note, size = _CLUSTER, None, world_size
     if c is not None and ((world_size is not None and world_size != c.world_size)
                           or (backend is not None and backend != c.requested_backend)):
-        launcher.choose_backend(backend or c.requested_backend, world_size or c.world_size)  # bad input: keep c
-        note = (f"(started {world_size or c.world_size} fresh ranks: the names defined on the previous "
-                f"{c.world_size} are gone)")
+        size = world_size or c.world_size
+        backend = backend or c.requested_backend
+        launcher.choose_backend(backend, size)  # bad input raises here, before the old ranks are stopped
+        note = f"(started {size} fresh ranks: the names defined on the previous {c.world_size} are gone)"
         shutdown_cluster()
         c = None
     if c is None:
-        size = world_size if world_size is not None else 2
+        size = size or 2
         launcher.choose_backend(backend or "auto", size)
         if live is not None:
             live.starting(size)
@@ -165,13 +166,13 @@ class DDPMagics(Magics):
         live = None if launcher._under_nbval() else LiveView(args.world_size or 2)
         try:
             cluster, note = _cluster_for(args.world_size, args.backend, live)
+            make = cluster._code_message(cell, _this_cell_name())
         except BaseException:
             if live is not None:
                 live.close()
             raise
         if live is not None:
             live.world_size = cluster.world_size
-        make = cluster._code_message(cell, _this_cell_name())
         values = cluster._request(make, args.timeout, live=live, only_rank=args.rank)
         if note:
             print(note)

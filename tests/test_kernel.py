@@ -95,6 +95,8 @@ def test_magic_runs_on_every_rank_and_shows_rank_prefixed_output(kernel):
     status, out, _ = kernel.execute("%%ddp -n 3  # a comment after the options is fine\nrank")
     assert out == ("(started 3 fresh ranks: the names defined on the previous 2 are gone)\n"
                    "[rank 0] 0\n[rank 1] 1\n[rank 2] 2\n"), out
+    status, out, _ = kernel.execute("%%ddp --backend gloo\nworld_size")  # a new backend keeps the size
+    assert out.endswith("[rank 0] 3\n[rank 1] 3\n[rank 2] 3\n"), out
 
 
 def test_stop_button_interrupts_the_cell_and_the_next_cell_works(kernel):
