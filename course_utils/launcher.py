@@ -441,7 +441,7 @@ class Cluster:
                 rk.feed_stream(rk.streams[fd], data)
         for rk, m in msgs:
             if m[0] == "progress":
-                rk.progress = m[2:]
+                rk.progress = m[1:]  # (desc, i, total)
             elif m[0] == "done":  # kept per run, whichever loop happens to read it
                 self._done.setdefault(m[1], {}).setdefault(rk.rank, (m[3], m[4]))
         return [(rk, m) for rk, m in msgs if m[0] not in ("progress", "done")]
