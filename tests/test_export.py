@@ -1,11 +1,11 @@
-"""course_utils.export.write_script: %%ddp cells become a torchrun script that does what the ranks did."""
+"""course_utils.engine.export.write_script: %%ddp cells become a torchrun script that does what the ranks did."""
 import ast
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from course_utils.export import write_script
+from course_utils.engine.export import write_script
 
 ROOT = Path(__file__).resolve().parent.parent
 

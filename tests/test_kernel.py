@@ -56,7 +56,7 @@ class Kernel:
                 return reply
 
     def worker_pids(self):
-        status, out, _ = self.execute("import course_utils.magic\nprint(course_utils.magic._CLUSTER.pids)")
+        status, out, _ = self.execute("import course_utils.engine.magic\nprint(course_utils.engine.magic._CLUSTER.pids)")
         assert status == "ok", out
         return eval(out.strip())
 

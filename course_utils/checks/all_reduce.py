@@ -48,7 +48,7 @@ def cluster(world_size, clusters=None):
 
     if clusters and world_size in clusters:
         return clusters[world_size]
-    magic = sys.modules.get("course_utils.magic")
+    magic = sys.modules.get("course_utils.engine.magic")
     ddp = getattr(magic, "_CLUSTER", None)
     if ddp is not None and ddp.alive and ddp.world_size == world_size and ddp.backend == "gloo":
         return ddp

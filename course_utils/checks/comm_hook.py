@@ -13,7 +13,7 @@ _CLUSTERS = {}  # world_size -> Cluster started by this checker, reused across c
 def _cluster_for(world_size):
     """The %%ddp cluster when one is running (and no size is asked), else one cached per size."""
     try:
-        from course_utils import magic
+        from course_utils.engine import magic
 
         running = magic._CLUSTER
     except (ImportError, AttributeError):

@@ -191,10 +191,10 @@ def _cluster_for(world_size):
     except ImportError:
         in_notebook = False
     if in_notebook and world_size is None:
-        from course_utils.magic import get_cluster
+        from course_utils import get_cluster
 
         return get_cluster()  # the running %%ddp ranks: no new processes
-    from course_utils.launcher import Cluster
+    from course_utils import Cluster
 
     world_size = world_size or 2
     c = _CLUSTERS.get(world_size)
@@ -217,7 +217,7 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30):
     inside ``fn`` is raised as the usual ``DistributedError`` with the rank's traceback.
     """
     __tracebackhide__ = True
-    from course_utils.launcher import DistributedTimeout
+    from course_utils import DistributedTimeout
 
     if not callable(fn):
         raise TypeError(f"check_grad_averaging takes your function, got {type(fn).__name__}")

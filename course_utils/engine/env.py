@@ -16,7 +16,7 @@ def check_environment(world_sizes=(1, 2, 4)):
     """Print [OK]/[FAIL] per requirement, the devices, and the backend %%ddp would choose.
 
     Introduced in 00_launcher_tour. Returns True when everything the course needs is there."""
-    from course_utils.launcher import _gpu_count, choose_backend
+    from course_utils.engine.launcher import _gpu_count, choose_backend
 
     ok = True
 

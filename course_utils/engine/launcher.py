@@ -14,7 +14,7 @@ import sys
 import time
 import weakref
 
-from course_utils import _wire
+from course_utils.engine import _wire
 
 BACKENDS = ("auto", "gloo", "nccl")
 ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own
@@ -216,7 +216,7 @@ def _spawn(world_size, backend, pg_timeout):
                 env["COURSE_UTILS_LISTEN_FD"] = str(listener.fileno())
                 pass_fds.append(listener.fileno())
             proc = subprocess.Popen(
-                [sys.executable, "-m", "course_utils._worker"], env=env, pass_fds=pass_fds,
+                [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
             for fd in (cmd_r, res_w, out_w, err_w):
                 os.close(fd)

@@ -14,8 +14,8 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from course_utils import launcher
-from course_utils.progress import bar
+from course_utils.engine import launcher
+from course_utils.engine.progress import bar
 
 _CLUSTER = None
 _CELLS = []  # (options line, source) of every %%ddp cell run successfully, for export
@@ -212,7 +212,7 @@ class DDPMagics(Magics):
         if cmd == "export":
             if len(rest) != 1:
                 raise UsageError("usage: %ddp export PATH")
-            from course_utils.export import write_script
+            from course_utils.engine.export import write_script
 
             write_script(rest[0], _CELLS)
             print(f"wrote {len(_CELLS)} %%ddp cells to {rest[0]}; "

@@ -13,7 +13,7 @@ def progress(iterable, total=None, desc="progress"):
     """Iterate over ``iterable`` and report how far along it is: ``for step in progress(range(200), desc="train")``."""
     if total is None:
         total = len(iterable)
-    from course_utils import _worker  # the same module object as the worker's __main__ on a rank
+    from course_utils.engine import _worker  # the same module object as the worker's __main__ on a rank
 
     channel = _worker._CHANNEL
     show = _notebook_line(desc, total) if channel is None else None

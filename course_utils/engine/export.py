@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 PREAMBLE = '''\
-"""Exported from a notebook's %%ddp cells by course_utils.export.write_script.
+"""Exported from a notebook's %%ddp cells by course_utils.engine.export.write_script.
 
     torchrun --standalone --nproc-per-node=2 {name}
 {sizes}"""

@@ -1,4 +1,4 @@
-"""One rank of a Cluster: a fresh interpreter started by course_utils.launcher.
+"""One rank of a Cluster: a fresh interpreter started by course_utils.engine.launcher.
 
 The main thread runs the learner's code, so signals and KeyboardInterrupt behave as in a
 normal script. A control thread answers the notebook while the main thread is busy: it
@@ -19,9 +19,9 @@ import threading
 import time
 import traceback
 
-from course_utils import _wire
+from course_utils.engine import _wire
 
-_CHANNEL = None  # set in main(); course_utils.progress uses it to report from a worker
+_CHANNEL = None  # set in main(); course_utils.engine.progress uses it to report from a worker
 # idle this long, a rank pre-imports what training needs (see Worker.prewarm)
 PREWARM_AFTER_S = float(os.environ.get("COURSE_UTILS_PREWARM_S", "1.0"))
 _HERE = os.path.abspath(__file__)
@@ -59,7 +59,7 @@ def _short(path):
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(_HERE))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))  # holds course_utils/
 
 
 def _user_frames(tb_or_stack):
@@ -320,7 +320,7 @@ class Worker:
 if __name__ == "__main__":
     faulthandler.enable()  # a segfault prints the Python stack, which the notebook relays
     _die_with_parent(int(os.environ["COURSE_UTILS_PARENT_PID"]))
-    sys.modules.setdefault("course_utils._worker", sys.modules["__main__"])
+    sys.modules.setdefault("course_utils.engine._worker", sys.modules["__main__"])
     Worker().main()
     sys.stdout.flush()
     os._exit(0)
