@@ -1,5 +1,40 @@
+"""Shared fixtures and helpers of the test suite. Use these instead of writing your own.
+
+Fixtures (pytest injects them by name):
+
+- ``make_cluster``: module-scoped factory. ``make_cluster(world_size=4, **kwargs)`` returns a
+  ``course_utils.Cluster`` with backend ``"gloo"`` pinned (a GPU machine would otherwise pick NCCL and
+  then fail on CPU tensors) unless ``kwargs`` sets ``backend``. Clusters are cached per
+  ``(world_size, sorted kwargs)`` within one test module (starting ranks costs seconds); a cached
+  cluster that a test shut down is replaced by a fresh one. All are shut down at the module's end.
+- ``cluster4``: ``make_cluster(4, timeout=30)``, the 4-rank cluster of a module.
+- ``torchrun``: function-scoped launcher, ``torchrun(*torchrun_args, script=..., script_args=...)``;
+  see ``start_torchrun``. Every process it started is killed with its whole process group when the
+  test ends, passed or failed.
+
+Plain helpers, imported by test modules as ``from conftest import register_by_value, free_port, ...``
+(pytest puts ``tests/`` on ``sys.path``, so ``conftest`` is importable; ``browser_helpers`` does the same):
+
+- ``register_by_value(module)``: ``cloudpickle.register_pickle_by_value`` made idempotent; accepts a
+  module or its name. Call it at the top of a test module whose functions run on the ranks (the ranks
+  cannot import test files): ``register_by_value(sys.modules[__name__])``.
+- ``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago. Handing a probed port to another
+  process races with everything else on the machine, so a launch on a fixed port goes through
+  ``retry_on_port_clash(launch)``, which re-runs ``launch(port)`` with a new port when the port was taken.
+- ``alive(pid_or_process)``: the process exists and is not a zombie (Linux /proc, else ``ps``).
+- ``children_of(pid)``: live child pids of ``pid`` (Linux /proc, else ``ps``).
+- ``start_torchrun(...)``, ``torchrun_env()``, ``finish(proc, what)``, ``kill_process_group(proc)``:
+  torchrun in its own session (``start_new_session=True``), so that killing its process group also kills
+  its ranks (killing the agent alone leaves them running). ``torchrun_env()`` hides GPUs
+  (``CUDA_VISIBLE_DEVICES=""``) so scripts choose gloo on any machine, and binds gloo to loopback.
+"""
 import os
+import re
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -7,18 +42,134 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# ---- clusters ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
-def cluster4():
-    """One 4-rank gloo cluster shared by a test module (starting ranks costs seconds)."""
+def make_cluster():
+    """Module-scoped factory of gloo clusters, cached per (world_size, kwargs); see the module docstring."""
     from course_utils import Cluster
 
-    with Cluster(world_size=4, backend="gloo", timeout=30) as c:
-        yield c
+    made = {}
+
+    def make(world_size=4, **kwargs):
+        kwargs.setdefault("backend", "gloo")
+        key = (world_size, tuple(sorted(kwargs.items())))
+        cluster = made.get(key)
+        if cluster is None or not cluster.alive:
+            if cluster is not None:
+                cluster.shutdown()
+            cluster = made[key] = Cluster(world_size=world_size, **kwargs)
+        return cluster
+
+    yield make
+    errors = []
+    for cluster in made.values():
+        try:
+            cluster.shutdown()
+        except Exception as exc:  # shut the others down anyway, then report
+            errors.append(repr(exc))
+    assert not errors, f"shutting down the module's clusters failed: {errors}"
+
+
+@pytest.fixture(scope="module")
+def cluster4(make_cluster):
+    """One 4-rank gloo cluster shared by a test module (starting ranks costs seconds)."""
+    return make_cluster(4, timeout=30)
+
+
+# ---- cloudpickle ------------------------------------------------------------------------------
+
+def register_by_value(module):
+    """Pickle the functions and classes of ``module`` (a module or its name) by value: the ranks cannot
+    import test files. Idempotent."""
+    import cloudpickle
+
+    if isinstance(module, str):
+        module = sys.modules[module]
+    cloudpickle.register_pickle_by_value(module)  # a set underneath: registering twice is harmless
+    return module
+
+
+# ---- ports ------------------------------------------------------------------------------------
+
+PORT_CLASH = re.compile(r"EADDRINUSE|[Aa]ddress already in use|failed to listen on any local network address")
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free when probed (another process may take it before you bind it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PortClash(Exception):
+    """Raised by a ``launch(port)`` given to ``retry_on_port_clash`` when its port was taken."""
+
+
+def retry_on_port_clash(launch, attempts=4):
+    """``launch(port)`` with a fresh ``free_port()``, again (up to ``attempts`` times) while it raises
+    ``PortClash`` (use ``is_port_clash(output)`` to decide). Returns what ``launch`` returns."""
+    for attempt in range(attempts):
+        try:
+            return launch(free_port())
+        except PortClash as clash:
+            last = clash
+    raise AssertionError(f"no free port after {attempts} attempts; last clash: {last}")
+
+
+def is_port_clash(output):
+    """True if a failed launch's output says its port was already taken."""
+    return bool(PORT_CLASH.search(output or ""))
+
+
+# ---- processes --------------------------------------------------------------------------------
+
+def _ps(*fields):
+    """(pid, *fields) rows of every process, from ``ps`` (the non-Linux fallback)."""
+    out = subprocess.run(["ps", "-A", "-o", "pid=," + ",".join(f"{f}=" for f in fields)],
+                         capture_output=True, text=True, check=True).stdout
+    return [line.split(None, len(fields)) for line in out.splitlines() if line.strip()]
+
+
+def _state(pid):
+    """One-letter process state ('R', 'S', 'Z', ...) or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            return None  # Linux: no /proc entry, no process
+    except OSError:
+        return None
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return out[:1] or None
+
+
+def alive(p):
+    """True if process ``p`` (a pid, or a psutil.Process / Popen) exists and is not a zombie."""
+    if hasattr(p, "is_running"):  # psutil.Process: also guards against a recycled pid
+        import psutil
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    if isinstance(p, subprocess.Popen):
+        return p.poll() is None
+    try:
+        os.kill(p, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    state = _state(p)
+    return state is not None and state != "Z"
 
 
 def children_of(pid):
-    """Live process ids whose parent is ``pid`` (Linux /proc)."""
+    """Live process ids whose parent is ``pid`` (Linux /proc; elsewhere ``ps``)."""
+    if not os.path.isdir("/proc/self"):
+        return [int(row[0]) for row in _ps("ppid", "stat") if int(row[1]) == pid and not row[2].startswith("Z")]
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -30,3 +181,91 @@ def children_of(pid):
             if int(fields[1]) == pid and fields[0] != "Z":
                 out.append(int(entry))
     return out
+
+
+def kill_process_group(proc, grace=5.0):
+    """SIGTERM the process group of ``proc`` (started with ``start_new_session=True``), SIGKILL what is left
+    after ``grace`` seconds, and reap ``proc``. Safe to call twice or on a finished process."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = proc.pid  # the leader is gone (reaped); its group may still hold its children
+    if pgid == os.getpgrp():
+        raise RuntimeError(f"pid {proc.pid} shares pytest's process group: start it with start_new_session=True")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            proc.poll()  # reap the leader, or it stays a zombie member of the group
+            time.sleep(0.05)
+        else:
+            continue
+        break
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ---- torchrun ---------------------------------------------------------------------------------
+
+def torchrun_env(**extra):
+    """The environment of a torchrun launched by a test: gloo on loopback, no GPUs, one thread per rank,
+    the repository importable, and not 'under pytest' (the engine would hide its status line)."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    env.update(extra)
+    return env
+
+
+def start_torchrun(*torchrun_args, script, script_args=(), env=None, cwd=ROOT, stdout=subprocess.PIPE):
+    """``python -m torch.distributed.run *torchrun_args script *script_args`` in a new session (so that
+    ``kill_process_group`` reaches its ranks). stdout and stderr are merged; text mode."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(script), *map(str, script_args)]
+    return subprocess.Popen(cmd, cwd=cwd, env=torchrun_env() if env is None else env, stdin=subprocess.DEVNULL,
+                            stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc, what, timeout=240, check=True):
+    """Wait for ``proc`` (from ``start_torchrun``) and return its output. On a timeout its process group is
+    killed and the test fails; with ``check``, a non-zero exit fails the test too. A port clash raises
+    ``PortClash`` instead, so that ``retry_on_port_clash`` can retry."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_process_group(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{what} did not finish within {timeout} s:\n{(out or '')[-3000:]}")
+    if proc.returncode != 0 and is_port_clash(out):
+        raise PortClash(f"{what}: {out[-500:]}")
+    if check:
+        assert proc.returncode == 0, f"{what} failed with exit code {proc.returncode}:\n{out[-3000:]}"
+    return out
+
+
+@pytest.fixture
+def torchrun():
+    """``torchrun(*args, script=..., script_args=...)`` starts ``start_torchrun``; every process group it
+    started is killed when the test ends, whether it passed or failed."""
+    started = []
+
+    def start(*args, **kwargs):
+        proc = start_torchrun(*args, **kwargs)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        kill_process_group(proc)
+        for stream in (proc.stdout, proc.stderr):
+            if stream:
+                stream.close()

@@ -1,0 +1,92 @@
+"""The shared helpers of tests/conftest.py do what the other test modules rely on.
+
+    .venv/bin/python -m pytest tests/test_conftest.py -p no:randomly
+"""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import (PortClash, alive, children_of, free_port, kill_process_group, register_by_value,
+                      retry_on_port_clash)
+
+register_by_value(sys.modules[__name__])
+
+
+def _on_rank():
+    import torch.distributed as dist
+    return dist.get_backend(), dist.get_world_size()
+
+
+def test_make_cluster_pins_gloo_and_caches_per_options(make_cluster, cluster4):
+    two = make_cluster(2)
+    assert make_cluster(2) is two, "the same options must return the cached cluster"
+    assert make_cluster(4, timeout=30) is cluster4, "cluster4 is make_cluster(4, timeout=30)"
+    assert make_cluster(2, timeout=45) is not two, "other options make another cluster"
+    assert two.run(_on_rank) == [("gloo", 2)] * 2, "make_cluster must pin the gloo backend"
+    two.shutdown()
+    again = make_cluster(2)
+    assert again is not two and again.alive, "a cluster a test shut down is replaced by a fresh one"
+
+
+def test_register_by_value_is_idempotent_and_accepts_a_name():
+    import cloudpickle
+    assert register_by_value(__name__) is sys.modules[__name__]
+    register_by_value(sys.modules[__name__])
+    assert __name__ in cloudpickle.list_registry_pickle_by_value()
+
+
+def test_free_port_is_bindable_and_a_clash_is_retried():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port()))
+    seen = []
+
+    def launch(port):
+        seen.append(port)
+        if len(seen) < 3:
+            raise PortClash(f"port {port} taken")
+        return port
+
+    assert retry_on_port_clash(launch) == seen[-1] and len(seen) == 3
+    with pytest.raises(AssertionError, match="no free port after 2 attempts"):
+        retry_on_port_clash(lambda port: (_ for _ in ()).throw(PortClash("taken")), attempts=2)
+
+
+def test_kill_process_group_reaches_grandchildren():
+    # A parent that starts a child and ignores SIGTERM: both must be gone afterwards.
+    code = ("import subprocess, sys, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+            "print(c.pid, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(proc.stdout.readline())
+    assert alive(proc.pid) and alive(grandchild) and children_of(proc.pid) == [grandchild]
+    kill_process_group(proc, grace=1.0)
+    deadline = time.monotonic() + 10
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(proc.pid) and proc.returncode is not None, "the group's leader survived"
+    assert not alive(grandchild), "the leader's child survived the group kill"
+    kill_process_group(proc)  # twice is harmless
+    proc.stdout.close()
+
+
+def test_kill_process_group_refuses_pytests_own_group():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(RuntimeError, match="start_new_session"):
+            kill_process_group(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_alive_tells_a_zombie_from_a_live_process():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    while not os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT):
+        time.sleep(0.01)
+    assert not alive(proc.pid), "an exited, unreaped child (a zombie) is not alive"
+    proc.wait()
+    assert alive(os.getpid()) and not alive(proc.pid)
