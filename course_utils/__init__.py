@@ -1,15 +1,16 @@
 """Support package of the Micro-DDP course.
 
 ``%load_ext course_utils`` registers the ``%%ddp`` cell magic; ``Cluster`` and ``launch``
-run code on a pool of torch.distributed ranks from a notebook (00_launcher_tour). The engine
+run code on a pool of torch.distributed ranks from a notebook, and ``spawn`` is the drop-in for
+``torch.multiprocessing.spawn`` (00_launcher_tour). The engine
 lives in ``course_utils.engine``; the lesson helpers are the other modules of this package.
 """
 from course_utils.engine.launcher import (
-    CellSyntaxError, Cluster, DistributedError, DistributedTimeout, choose_backend, launch)
+    CellSyntaxError, Cluster, DistributedError, DistributedTimeout, choose_backend, launch, spawn)
 from course_utils.engine.progress import progress
 
 __all__ = ["Cluster", "CellSyntaxError", "DistributedError", "DistributedTimeout", "choose_backend", "get_cluster",
-           "launch", "progress"]
+           "launch", "progress", "spawn"]
 
 
 def __getattr__(name):

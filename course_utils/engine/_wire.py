@@ -6,11 +6,16 @@ unpickling what arrives on one is as safe as unpickling your own data.
 import io
 import os
 import struct
+import sys
 import types
 from collections import ChainMap
 
 import cloudpickle
 from cloudpickle import cloudpickle as _cp
+
+# cloudpickle's reduction of code objects is private API: without it, frames keep their
+# "<dynamic-code>"-style names (tracebacks lose the notebook's "Cell In[N]"), nothing else changes.
+_CODE_REDUCE = getattr(_cp, "_code_reduce", None)
 
 HEADER = struct.Struct("!Q")
 
@@ -23,7 +28,7 @@ class _Missing:
 
 
 MISSING = _Missing()
-END_MARK = b"\x00course_utils-end:"  # written to a worker's stdout/stderr after each command
+END_MARK = b"\x00course_utils-end:"  # written to a worker's stdout/stderr after each command, then run id, newline
 
 
 def _named_code(args, filename):
@@ -36,13 +41,31 @@ class Pickler(cloudpickle.Pickler):
 
     def __init__(self, file, rename=None):
         self.rename = rename or {}
-        # the C pickler reads dispatch_table once, in __init__
-        self.dispatch_table = ChainMap({types.CodeType: self._code_reduce}, cloudpickle.Pickler.dispatch_table)
+        if _CODE_REDUCE is not None:  # the C pickler reads dispatch_table once, in __init__
+            self.dispatch_table = ChainMap({types.CodeType: self._code_reduce}, cloudpickle.Pickler.dispatch_table)
         super().__init__(file)
 
     def _code_reduce(self, code):
         name = self.rename.get(code.co_filename, code.co_filename)
-        return _named_code, (_cp._code_reduce(code)[1], name)
+        return _named_code, (_CODE_REDUCE(code)[1], name)
+
+    def reducer_override(self, obj):
+        """A tensor on a GPU travels as a CPU tensor: unpickling it must not initialise CUDA in the notebook."""
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return _same, (obj.detach().to("cpu"),)
+        return super().reducer_override(obj)
+
+
+def _same(value):
+    return value
+
+
+class Undecodable:
+    """A frame that arrived whole but could not be unpickled (the reader stays usable)."""
+
+    def __init__(self, error):
+        self.error = error
 
 
 def dumps(obj, rename=None) -> bytes:
@@ -92,6 +115,10 @@ class FrameReader:
             (n,) = HEADER.unpack_from(self.buf)
             if len(self.buf) < HEADER.size + n:
                 break
-            out.append(cloudpickle.loads(bytes(self.buf[HEADER.size:HEADER.size + n])))
-            del self.buf[:HEADER.size + n]
+            frame = bytes(self.buf[HEADER.size:HEADER.size + n])
+            del self.buf[:HEADER.size + n]  # first: a frame that fails to load must not jam the ones after it
+            try:
+                out.append(cloudpickle.loads(frame))
+            except Exception as exc:
+                out.append(Undecodable(exc))
         return out

@@ -5,6 +5,7 @@ normal script. A control thread answers the notebook while the main thread is bu
 reports where the main thread is stuck and releases the other ranks on an abort.
 """
 import ast
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -13,6 +14,7 @@ import os
 import queue
 import signal
 import socket
+import stat
 import sys
 import sysconfig
 import threading
@@ -38,13 +40,48 @@ class Channel:
             _wire.write_all(self.res_fd, data)
 
 
+WATCHDOG_S = 0.5  # how often a rank checks that the notebook process still exists
+
+
 def _die_with_parent(parent_pid):
-    try:  # Linux: the kernel kills us if the notebook process dies, even by SIGKILL
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    """End this rank when the notebook process is gone, on every system.
+
+    EOF on the command pipe is the usual signal (see control_loop); this thread covers the case
+    where a child process of the notebook still holds the pipe open. Not PR_SET_PDEATHSIG: it is
+    Linux-only and fires when the *thread* that started the rank exits, not the process."""
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(WATCHDOG_S)
+
     if os.getppid() != parent_pid:
         os._exit(1)
+    threading.Thread(target=watch, name="course_utils-watchdog", daemon=True).start()
+
+
+def _open_fds():
+    """This process's open file descriptors: /proc or /dev/fd where they exist, else a scan with fstat."""
+    if not os.environ.get("COURSE_UTILS_NO_PROC"):  # set by the tests to run the fallback on Linux
+        for d in ("/proc/self/fd", "/dev/fd"):
+            try:
+                return [int(n) for n in os.listdir(d)]
+            except OSError:
+                continue
+    try:
+        import resource
+
+        limit = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 65536)
+    except Exception:
+        limit = 4096
+    fds = []
+    for fd in range(limit):
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        fds.append(fd)
+    return fds
 
 
 def _short(path):
@@ -92,6 +129,24 @@ def _where(frames):
 _SOURCES = set()  # filenames of code sent by the notebook (cells and functions)
 
 
+def _note(text):
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """No KeyboardInterrupt in the engine's own bookkeeping (the handler only raises inside
+    Worker.learner; this also holds off a signal that arrives between two bytecodes here)."""
+    if hasattr(signal, "pthread_sigmask"):
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    else:
+        yield
+
+
 def _register_sources(sources):
     for filename, text in sources.items():
         lines = text.splitlines(keepends=True)
@@ -122,9 +177,15 @@ class Worker:
         self.channel = Channel(int(env["COURSE_UTILS_RES_FD"]))
         self.cmd_fd = int(env["COURSE_UTILS_CMD_FD"])
         self.listen_fd = int(env.get("COURSE_UTILS_LISTEN_FD", "-1"))
+        self.store_port = int(env["MASTER_PORT"])  # the learner's code may change the variable (tutorials do)
         self.commands = queue.Queue()
-        self.busy = False  # True while the learner's code runs
+        self.busy = False  # True while a command from the notebook runs
+        self.interruptible = False  # True only while the learner's own code runs: SIGINT lands there
+        self.manage_group = env.get("COURSE_UTILS_GROUP", "1") == "1"  # False under spawn(): fn sets it up
+        self.secret = ""  # store prefix, sent over the private command pipe (see main)
+        self.original = {}  # torch.distributed's own init/destroy, before the learner-facing wrappers
         self.generation = 0
+        self.run_id = 0
         self.store = None
         self.ns = {"__name__": "__main__", "__builtins__": __builtins__}
         self.libc = ctypes.CDLL(None)
@@ -138,19 +199,67 @@ class Worker:
         if self.store is None:
             kw = {"master_listen_fd": self.listen_fd} if self.rank == 0 else {}
             self.store = dist.TCPStore(
-                "127.0.0.1", int(os.environ["MASTER_PORT"]), self.world_size,
+                "127.0.0.1", self.store_port, self.world_size,
                 is_master=self.rank == 0, timeout=datetime.timedelta(seconds=60),
                 wait_for_workers=False, **kw)
-        store = dist.PrefixStore(f"generation{self.generation}", self.store)
+        store = dist.PrefixStore(f"{self.secret}/generation{self.generation}", self.store)
         if self.backend == "nccl":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # == rank on one node
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        dist.init_process_group(self.backend, store=store, rank=self.rank,
-                                world_size=self.world_size, timeout=timeout)
+        self.original.get("init", dist.init_process_group)(
+            self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self.predefine(device)
+        self.wrap_group_calls()
+
+    def predefine(self, device=None):
+        if device is None:
+            device = self.ns.get("device")
+        if device is None:
+            import torch
+
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if self.backend == "nccl" else \
+                torch.device("cpu")
         self.ns.update(rank=self.rank, world_size=self.world_size,
                        local_rank=int(os.environ["LOCAL_RANK"]), device=device)
+
+    def wrap_group_calls(self):
+        """Code written for torchrun or mp.spawn calls init_process_group and destroy_process_group
+        itself; on a rank whose group the engine already set up, both become notes, so that such
+        code runs unchanged and the next cell still has its group."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        if self.original:
+            return
+        self.original = {"init": c10d.init_process_group, "destroy": c10d.destroy_process_group}
+        worker = self
+
+        def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, *args, **kwargs):
+            if not dist.is_initialized():  # e.g. after a destroy of our own: the learner's call is honoured
+                return worker.original["init"](backend, init_method, timeout, world_size, rank, *args, **kwargs)
+            wrong = []
+            if world_size not in (-1, None) and int(world_size) != worker.world_size:
+                wrong.append(f"world_size={world_size}, but this cluster has {worker.world_size} ranks")
+            if rank not in (-1, None) and int(rank) != worker.rank:
+                wrong.append(f"rank={rank}, but this is rank {worker.rank}")
+            if backend and str(backend).lower() != worker.backend and ":" not in str(backend):
+                wrong.append(f"backend={backend!r}, but this cluster runs {worker.backend!r}")
+            if wrong:
+                raise ValueError("init_process_group: " + "; ".join(wrong) + ". The ranks already have a process "
+                                 "group; start matching ranks with %%ddp -n N --backend B (or Cluster(...)).")
+            _note("init_process_group(): the process group is already initialised "
+                  f"(rank {worker.rank} of {worker.world_size}, {worker.backend}); this call does nothing.")
+
+        def destroy_process_group(group=None):
+            if group is not None and group is not dist.GroupMember.WORLD:
+                return worker.original["destroy"](group)
+            _note("destroy_process_group(): kept the process group for the next cell.")
+
+        for module in (dist, c10d):
+            module.init_process_group = init_process_group
+            module.destroy_process_group = destroy_process_group
 
     def destroy_process_group(self):
         import torch.distributed as dist
@@ -158,26 +267,32 @@ class Worker:
         if dist.is_initialized():
             self.cut_peer_connections()
             try:
-                dist.destroy_process_group()
+                self.original.get("destroy", dist.destroy_process_group)()
             except Exception:
                 pass
 
-    @staticmethod
-    def cut_peer_connections():
+    def cut_peer_connections(self):
         """Shut down this rank's TCP connections to the other ranks (not those to the store), so
         that ranks waiting for us in a collective get an error now. Destroying the process group
         is not enough: once torch._dynamo is imported (by the first optimizer or DDP), something
-        keeps the gloo context, and its sockets, alive after destroy_process_group()."""
-        store_port = int(os.environ["MASTER_PORT"])
-        for name in os.listdir("/proc/self/fd"):
+        keeps the gloo context, and its sockets, alive after destroy_process_group().
+
+        The peers are on 127.0.0.1 (the engine binds every rank to loopback); connections to other
+        addresses are the learner's own and stay open."""
+        store_port = self.store_port
+        for fd in _open_fds():
             try:
-                if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
                     continue
-                sock = socket.socket(fileno=int(name))
+                sock = socket.socket(fileno=fd)
             except OSError:
                 continue
             try:
-                if sock.type == socket.SOCK_STREAM and store_port not in (sock.getsockname()[1], sock.getpeername()[1]):
+                if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                peer = sock.getpeername()
+                if peer[0] in ("127.0.0.1", "::1", "::ffff:127.0.0.1") and store_port not in (sock.getsockname()[1],
+                                                                                           peer[1]):
                     sock.shutdown(socket.SHUT_RDWR)
             except (OSError, IndexError, TypeError):
                 pass  # listening or not connected: nothing to cut
@@ -199,11 +314,14 @@ class Worker:
                 stack = _user_frames(traceback.extract_stack(frame)) if frame else []
                 self.channel.send(("stacks", msg[1], self.rank, {
                     "busy": self.busy,
+                    "run_id": self.run_id,
                     "stack": "".join(traceback.format_list(stack)),
                     "where": _where(stack),
                 }))
             elif kind == "abort":  # drop our connections so that every rank stuck in a collective errors out
-                if self.busy:
+                if not self.manage_group:
+                    self.cut_peer_connections()
+                elif self.busy:
                     self.cut_peer_connections()  # our own main thread too, if it waits in a recv
                 else:
                     self.destroy_process_group()
@@ -219,6 +337,8 @@ class Worker:
         os.write(2, mark)
         try:
             self.channel.send(("done", run_id, self.rank, ok, payload))
+        except KeyboardInterrupt:
+            raise
         except Exception as exc:  # the result could not be pickled
             info = _error_info(exc)
             info["message"] = f"the value could not be sent back to the notebook: {exc}"
@@ -228,44 +348,63 @@ class Worker:
         import cloudpickle
 
         kind, run_id = msg[0], msg[1]
+        self.run_id = run_id
         if kind == "reset":
             self.destroy_process_group()
             self.generation = msg[2]
+            if len(msg) > 3:
+                self.pg_timeout = msg[3]
             try:
                 self.init_process_group()
                 return self.finish(run_id, True, None)
             except Exception as exc:
                 return self.finish(run_id, False, _error_info(exc))
-        self.busy = True
+        ok, value = True, None
         try:
+            self.busy = True
             if kind == "code":
                 source, filename = msg[2], msg[3]
                 _register_sources({filename: source})
-                value = self.run_code(source, filename)
+                value = self.learner(self.run_code, source, filename)
             elif kind == "call":
                 sources, blob = msg[2], msg[3]
+                with_rank = len(msg) > 4 and msg[4]
                 _register_sources(sources)
                 fn, args, kwargs = cloudpickle.loads(blob)
                 g = getattr(fn, "__globals__", None)
                 module = sys.modules.get(g.get("__name__")) if g is not None else None
                 if g is not None and getattr(module, "__dict__", None) is not g:  # sent by value
                     for name in ("rank", "world_size", "local_rank", "device"):
-                        g.setdefault(name, self.ns[name])
-                value = fn(*args, **kwargs)
+                        if name in self.ns:
+                            g.setdefault(name, self.ns[name])
+                if with_rank:  # spawn(): fn(rank, *args), as torch.multiprocessing.spawn calls it
+                    args = (self.rank, *args)
+                value = self.learner(fn, *args, **kwargs)
             elif kind == "push":
                 self.ns.update(cloudpickle.loads(msg[2]))
-                value = None
             elif kind == "pull":  # a name that is not there is an answer, not a failure
                 value = self.ns.get(msg[2], _wire.MISSING)
             else:
                 raise ValueError(f"unknown command {kind!r}")
         except BaseException as exc:
-            info = _error_info(exc)
+            ok, value = False, _error_info(exc)
+            with _sigint_blocked():
+                self.busy = False
+                if self.manage_group:
+                    self.destroy_process_group()  # releases the ranks waiting for us in a collective
+                else:
+                    self.cut_peer_connections()
+        with _sigint_blocked():
             self.busy = False
-            self.destroy_process_group()  # releases the ranks waiting for us in a collective
-            return self.finish(run_id, False, info)
-        self.busy = False
-        self.finish(run_id, True, value)
+            self.finish(run_id, ok, value)
+
+    def learner(self, fn, *args, **kwargs):
+        """Run the learner's code: the only place where a SIGINT from the notebook interrupts."""
+        self.interruptible = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.interruptible = False
 
     def run_code(self, source, filename):
         tree = ast.parse(source, filename)
@@ -287,16 +426,24 @@ class Worker:
             pass
 
     def on_sigint(self, signum, frame):
-        if self.busy:
+        if self.interruptible:
             raise KeyboardInterrupt
 
     def main(self):
         global _CHANNEL
         _CHANNEL = self.channel
         signal.signal(signal.SIGINT, self.on_sigint)
+        for fd in (self.cmd_fd, self.channel.res_fd, self.listen_fd):
+            if fd >= 0:  # a process the learner forks or starts must not hold the engine's pipes
+                os.set_inheritable(fd, False)
+        hello = _wire.recv(self.cmd_fd)  # ("hello", secret): private, unlike the environment
+        self.secret = hello[1]
         threading.Thread(target=self.control_loop, daemon=True).start()
         try:
-            self.init_process_group()
+            if self.manage_group:
+                self.init_process_group()
+            else:
+                self.predefine()
         except BaseException as exc:
             self.channel.send(("ready", self.rank, False, _error_info(exc)))
             return

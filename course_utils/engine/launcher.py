@@ -2,46 +2,33 @@
 
 Introduced in 00_launcher_tour. Each rank is a fresh Python interpreter (never a fork) with
 torch.distributed initialised once, so a cell costs a pipe round trip, not a process start.
+``spawn`` is the drop-in for ``torch.multiprocessing.spawn``: fresh ranks without a process group.
 The notebook talks to its ranks over private pipes; the only sockets are torch's own
 rendezvous store and the backend's connections, all on 127.0.0.1.
 """
+import contextlib
+import math
 import os
-import select
+import secrets
+import selectors
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
 from course_utils.engine import _wire
+from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: public, re-exported)
+    DistributedError, DistributedTimeout, dead_error, hide_cpp_frames, plural, rank_error, timeout_error)
 
 BACKENDS = ("auto", "gloo", "nccl")
 ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own
 RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
 START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
-
-
-class DistributedError(RuntimeError):
-    """A rank failed. ``str()`` names the first failing rank, its traceback and the others' state."""
-
-    def __init__(self, summary, details="", *, rank=None, exc_type=None, exc_message=None,
-                 rank_traceback=None, ranks=None):
-        super().__init__(summary)
-        self.summary, self.details = summary, details
-        self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
-        self.rank_traceback = rank_traceback
-        self.ranks = ranks or {}  # rank -> what it was doing
-
-    def __str__(self):
-        return self.summary + ("\n" + self.details if self.details else "")
-
-    def _render_traceback_(self):  # IPython: show the ranks' story, not the engine's frames
-        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
-
-
-class DistributedTimeout(DistributedError, TimeoutError):
-    """No result within ``timeout`` seconds: says which ranks finished and where the others are stuck."""
+PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
+DRAIN_S = 2.0          # how long the output of a dead rank is still read (a child it forked may hold the pipe)
 
 
 class CellSyntaxError(ValueError):
@@ -101,19 +88,12 @@ def _under_nbval():
     return "PYTEST_CURRENT_TEST" in os.environ
 
 
-def _plural(ranks):
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _signal_name(code):
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
+_plural = plural  # used by the checkers' messages
 
 
 class _Rank:
-    """The notebook's end of one worker: its process and its four pipes."""
+    """The notebook's end of one worker: its process, its command and result pipes, and the pipes
+    that carry its stdout and stderr (fd level, so C and C++ output arrives too)."""
 
     def __init__(self, rank, proc, cmd_w, res_r, out_r, err_r):
         self.rank, self.proc = rank, proc
@@ -142,8 +122,13 @@ class _Rank:
             end = buf.find(b"\n", cut)
             if end < 0:
                 break
+            digits = buf[cut + len(_wire.END_MARK):end]
+            if not digits.isdigit():  # the learner's own bytes that happen to look like the mark: text
+                self._add_final(name, buf[:end])
+                buf = buf[end + 1:]
+                continue
             self._add_final(name, buf[:cut])
-            self.ended[name] = int(buf[cut + len(_wire.END_MARK):end])
+            self.ended[name] = int(digits)
             buf = buf[end + 1:]
         *whole, rest = buf.split(b"\n")
         for line in whole:
@@ -184,13 +169,17 @@ class _Rank:
                 pass
 
 
-def _spawn(world_size, backend, pg_timeout):
-    """Start the ranks: fresh interpreters, rendezvous on a socket bound before anyone uses it."""
+def _spawn(world_size, backend, pg_timeout, group=True):
+    """Start the ranks: fresh interpreters, rendezvous on a socket bound before anyone uses it.
+
+    With ``group=False`` (``spawn``) the ranks get no process group: the learner's function sets it
+    up from MASTER_ADDR and MASTER_PORT, a loopback port that was free a moment ago."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))  # loopback only, and the port is ours from this moment
     listener.listen(128)
     port = listener.getsockname()[1]
     threads = max(1, _cpu_count() // world_size)
+    secret = secrets.token_hex(16)  # the store's key prefix: another local process cannot guess it
     ranks = []
     try:
         for r in range(world_size):
@@ -204,25 +193,30 @@ def _spawn(world_size, backend, pg_timeout):
                 LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-                GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo",
+                GLOO_SOCKET_IFNAME="lo" if sys.platform.startswith("linux") else env.get("GLOO_SOCKET_IFNAME", "lo0"),
+                NCCL_SOCKET_IFNAME="lo",
                 COURSE_UTILS_BACKEND=backend, COURSE_UTILS_PG_TIMEOUT=str(pg_timeout),
                 COURSE_UTILS_CMD_FD=str(cmd_r), COURSE_UTILS_RES_FD=str(res_w),
-                COURSE_UTILS_PARENT_PID=str(os.getpid()),
+                COURSE_UTILS_PARENT_PID=str(os.getpid()), COURSE_UTILS_GROUP="1" if group else "0",
             )
             env.pop("PYTEST_CURRENT_TEST", None)
             env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH")] if p)
             pass_fds = [cmd_r, res_w]
-            if r == 0:
+            if r == 0 and group:
                 env["COURSE_UTILS_LISTEN_FD"] = str(listener.fileno())
                 pass_fds.append(listener.fileno())
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
-                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
-            for fd in (cmd_r, res_w, out_w, err_w):
-                os.close(fd)
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
+                    stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
+            finally:
+                for fd in (cmd_r, res_w, out_w, err_w):
+                    os.close(fd)
             for fd in (res_r, out_r, err_r):
                 os.set_blocking(fd, False)
-            ranks.append(_Rank(r, proc, cmd_w, res_r, out_r, err_r))
+            rk = _Rank(r, proc, cmd_w, res_r, out_r, err_r)
+            ranks.append(rk)
+            rk.send(("hello", secret))  # over the private pipe, not the environment other users can read
     except BaseException:
         _kill(ranks)
         raise
@@ -232,8 +226,11 @@ def _spawn(world_size, backend, pg_timeout):
 
 
 def _kill(ranks):
+    """Kill the ranks and whatever they started (each rank leads its own process group)."""
     for rk in ranks:
-        if rk.proc.poll() is None:
+        try:
+            os.killpg(rk.proc.pid, signal.SIGKILL)
+        except (OSError, AttributeError):
             try:
                 rk.proc.kill()
             except OSError:
@@ -274,11 +271,13 @@ class Cluster:
     ``local_rank`` and ``device`` are predefined on every rank.
     """
 
-    def __init__(self, world_size=2, backend="auto", timeout=60):
+    def __init__(self, world_size=2, backend="auto", timeout=60, *, _group=True):
         self.backend = choose_backend(backend, world_size)
         self.requested_backend = backend
         self.world_size = world_size
         self.timeout = self._check_timeout(timeout)
+        self._group = _group  # False: spawn()'s ranks, whose process group is the learner's business
+        self._pg_timeout = self._pg_timeout_for(self.timeout)
         self._ranks = []
         self._run_id = 0
         self._generation = 0
@@ -287,31 +286,44 @@ class Cluster:
         self._held = []  # (rank, lines) printed by ranks that were since replaced
         self._done = {}  # run id -> {rank: (ok, value or error info)}
         self._live = None
+        self._interrupted = False
+        self._inbox = []  # messages other than results and progress, for the loop that waits for them
+        self.pids = []
         self.started_at = None
         self.restarts = 0
         self._start()
 
     @staticmethod
     def _check_timeout(timeout):
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 
+    @staticmethod
+    def _pg_timeout_for(timeout):
+        """The backend's timeout: far above the cell's, so that gloo or NCCL never gives up first."""
+        return PG_TIMEOUT_MIN_S if math.isinf(timeout) else max(PG_TIMEOUT_MIN_S, 4 * timeout)
+
     # -- life cycle --------------------------------------------------------------------
     def _start(self):
-        self._ranks = _spawn(self.world_size, self.backend, pg_timeout=max(self.timeout, 10))
+        self._ranks = _spawn(self.world_size, self.backend, self._pg_timeout, self._group)
         self._generation = 0
         self._finalizer = weakref.finalize(self, _kill, list(self._ranks))
         self.started_at = time.time()
         ready, errors = {}, {}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while len(ready) + len(errors) < self.world_size:
-            for rk, msg in self._pump(0.1):
-                if msg[0] == "ready":
-                    (ready if msg[2] else errors)[rk.rank] = msg[3]
-            dead = [rk for rk in self._ranks if rk.dead and rk.rank not in ready]
-            if dead or time.monotonic() > deadline:
-                break
+        try:
+            def started():
+                for rk, msg in self._take_messages():
+                    if msg[0] == "ready":
+                        (ready if msg[2] else errors)[rk.rank] = msg[3]
+                return len(ready) + len(errors) == self.world_size or any(
+                    rk.dead and rk.rank not in ready for rk in self._ranks)
+
+            self._pump_until(started, time.monotonic() + START_TIMEOUT_S)
+        except BaseException:  # a stop (KeyboardInterrupt) while the ranks start: none may be left running
+            self._finalizer()
+            self._ranks = []
+            raise
         if len(ready) < self.world_size:
             out = {rk.rank: rk.take_lines() for rk in self._ranks}
             self._finalizer()
@@ -368,10 +380,19 @@ class Cluster:
         if isinstance(code_or_fn, str):
             if args or kwargs:
                 raise ValueError("arguments are only for functions: for code, push() the values first")
-            return self._request(self._code_message(code_or_fn, "<ddp>"), timeout)
+            return self.run_cell(code_or_fn, timeout=timeout)
         if not callable(code_or_fn):
             raise ValueError(f"run() takes a string of code or a function, got {type(code_or_fn).__name__}")
         return self._request(self._call_message(code_or_fn, args, kwargs), timeout)
+
+    def run_cell(self, source, filename="<ddp>", timeout=None, live=None, only_rank=None):
+        """Run a cell's source on every rank (what ``%%ddp`` does); return the rank-ordered values.
+
+        ``filename`` names the code in tracebacks ("Cell In[7]"); ``live`` is a status display with
+        ``update(ranks, elapsed)`` and ``close()``; ``only_rank`` shows that rank's output only.
+        A cell that does not parse raises ``CellSyntaxError`` before any rank runs."""
+        __tracebackhide__ = True
+        return self._request(self._code_message(source, filename), timeout, live=live, only_rank=only_rank)
 
     def push(self, **values):
         """Set names on every rank: ``cluster.push(lr=0.1, data=tensor)``."""
@@ -383,7 +404,7 @@ class Cluster:
         values = self._request(lambda run_id: ("pull", run_id, name), None)
         missing = [r for r, v in enumerate(values) if isinstance(v, type(_wire.MISSING))]
         if missing:
-            raise NameError(f"name {name!r} is not defined on {_plural(missing)}: define it in a %%ddp cell "
+            raise NameError(f"name {name!r} is not defined on {plural(missing)}: define it in a %%ddp cell "
                             "(names do not survive a restart or a change of world size)")
         return values
 
@@ -397,7 +418,7 @@ class Cluster:
         return lambda run_id: ("code", run_id, source, filename)
 
     @staticmethod
-    def _call_message(fn, args, kwargs):
+    def _call_message(fn, args, kwargs, with_rank=False):
         for i, a in enumerate(args):
             _dumps_named({f"argument {i} ({type(a).__name__})": a}, "run")
         _dumps_named(kwargs, "run")
@@ -407,64 +428,121 @@ class Cluster:
         except Exception as exc:
             raise ValueError(f"the function {getattr(fn, '__name__', fn)!r} cannot be sent to the ranks: "
                              f"{exc}. Create what it needs inside the function instead.") from None
-        return lambda run_id: ("call", run_id, sources, blob)
+        return lambda run_id: ("call", run_id, sources, blob, with_rank)
 
     # -- the loop ------------------------------------------------------------------------
     def _pump(self, wait):
-        """Read whatever the ranks sent within ``wait`` seconds; return the messages."""
-        fd_map = {}
-        for rk in self._ranks:
-            if not rk.dead:
-                for fd in rk.fds():
-                    fd_map[fd] = rk
-        if not fd_map:
-            time.sleep(wait)
-            return []
+        """Read whatever the ranks sent within ``wait`` seconds; keep results, progress and output."""
+        sel = selectors.DefaultSelector()  # not select.select: it fails above fd 1024
         try:
-            readable, _, _ = select.select(list(fd_map), [], [], wait)
-        except InterruptedError:
-            return []
-        msgs = []
-        for fd in readable:
-            rk = fd_map[fd]
+            for rk in self._ranks:
+                if not rk.dead:
+                    for fd in rk.fds():
+                        sel.register(fd, selectors.EVENT_READ, rk)
+            if not sel.get_map():
+                time.sleep(wait)
+                return
             try:
-                data = os.read(fd, 1 << 20)
-            except BlockingIOError:
-                continue
-            if fd == rk.res_r:
-                if not data:
-                    rk.dead = True  # the worker's end closed: it exited
-                    self._drain_streams(rk)
-                    continue
-                msgs += [(rk, m) for m in rk.frames.feed(data)]
-            elif data:
+                events = sel.select(wait)
+            except InterruptedError:
+                events = []
+        finally:
+            sel.close()
+        for key, _ in events:
+            self._read(key.data, key.fd)
+        for rk in self._ranks:  # a rank whose forked child holds its pipes gives no EOF: ask the OS
+            if not rk.dead and rk.proc.poll() is not None:
+                self._read(rk, rk.res_r)
+                self._mark_dead(rk)
+
+    def _read(self, rk, fd):
+        try:
+            data = os.read(fd, 1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if fd != rk.res_r:
+            if data:
                 rk.feed_stream(rk.streams[fd], data)
-        for rk, m in msgs:
+            return
+        if not data:
+            self._mark_dead(rk)  # the worker's end closed: it exited
+            return
+        for m in rk.frames.feed(data):
+            if isinstance(m, _wire.Undecodable):  # a reply the notebook cannot load is that rank's error
+                m = ("done", self._run_id, rk.rank, False, _undecodable_info(m.error))
             if m[0] == "progress":
                 rk.progress = m[1:]  # (desc, i, total)
             elif m[0] == "done":  # kept per run, whichever loop happens to read it
                 self._done.setdefault(m[1], {}).setdefault(rk.rank, (m[3], m[4]))
-        return [(rk, m) for rk, m in msgs if m[0] not in ("progress", "done")]
+            else:
+                self._inbox.append((rk, m))
 
-    def _drain_streams(self, rk):
-        for fd, name in rk.streams.items():
-            while True:
-                try:
-                    r, _, _ = select.select([fd], [], [], 0.5)
-                    data = os.read(fd, 1 << 20) if r else b""
-                except (BlockingIOError, OSError):
-                    break
-                if not data:
-                    break
-                rk.feed_stream(name, data)
+    def _mark_dead(self, rk):
+        if rk.dead:
+            return
+        rk.dead = True
+        deadline = time.monotonic() + DRAIN_S
+        for fd, name in rk.streams.items():  # what it printed before it died is kept
+            sel = selectors.DefaultSelector()
+            try:
+                sel.register(fd, selectors.EVENT_READ)
+                while time.monotonic() < deadline and sel.select(0.2):
+                    try:
+                        data = os.read(fd, 1 << 20)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        break
+                    if not data:
+                        break
+                    rk.feed_stream(name, data)
+            finally:
+                sel.close()
         rk.flush_partial()
+
+    def _take_messages(self):
+        out, self._inbox = self._inbox, []
+        return out
+
+    def _pump_until(self, condition, deadline, step=0.05, on_tick=None):
+        """Pump until ``condition()`` is true or ``deadline`` (time.monotonic) passes; return whether it held."""
+        while True:
+            if condition():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if self._interrupted and on_tick is not None:
+                raise KeyboardInterrupt
+            self._pump(min(step, max(0.0, deadline - time.monotonic())))
+            if on_tick is not None:
+                on_tick()
 
     def _send_all(self, make):
         for rk in self._ranks:
             try:
                 rk.send(make(self._run_id))
             except (BrokenPipeError, OSError):
-                rk.dead = True
+                self._mark_dead(rk)
+
+    @contextlib.contextmanager
+    def _sigint_deferred(self):
+        """While a request runs, a stop (SIGINT) only sets a flag that the loop checks: a frame half
+        written to a rank's pipe would break it, and a second stop must not start a nested recovery."""
+        self._interrupted = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def flag(signum, frame):
+            self._interrupted = True
+
+        old = signal.signal(signal.SIGINT, flag)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
 
     def _request(self, make, timeout, live=None, only_rank=None):
         __tracebackhide__ = True
@@ -473,42 +551,47 @@ class Cluster:
             self._start()
         elif not self.alive:
             self.restart()
-        for rk in self._ranks:  # the live status shows this cell's lines only
-            rk.progress, rk.last_line = None, ""
-        self._run_id += 1
-        run_id = self._run_id
-        self._done = {run_id: {}}
-        results = self._done[run_id]
-        self._live = live
-        self._send_all(make)
-        t0 = time.monotonic()
-        first_error_at = None
-        try:
-            while True:
-                self._pump(0.05)
-                if first_error_at is None and any(not ok for ok, _ in results.values()):
-                    first_error_at = time.monotonic()
-                pending = [rk for rk in self._ranks if not self._complete(rk, results, run_id)]
-                if not pending:
-                    break
-                dead = [rk for rk in pending if rk.dead]
+        with self._sigint_deferred():
+            if self._group and self._pg_timeout < self._pg_timeout_for(timeout):  # a long --timeout: the
+                self._rebuild_group(self._pg_timeout_for(timeout))            # backend must not give up first
+            for rk in self._ranks:  # the live status shows this cell's lines only
+                rk.progress, rk.last_line = None, ""
+            self._run_id += 1
+            run_id = self._run_id
+            self._done = {run_id: {}}
+            results = self._done[run_id]
+            self._live = live
+            try:
+                self._send_all(make)
+                if self._interrupted:
+                    raise KeyboardInterrupt
+                t0 = time.monotonic()
+                first_error = []
+
+                def settled():
+                    if not first_error and any(not ok for ok, _ in results.values()):
+                        first_error.append(time.monotonic())
+                    pending = [rk for rk in self._ranks if not self._complete(rk, results, run_id)]
+                    return (not pending or any(rk.dead for rk in pending)
+                            or (first_error and time.monotonic() - first_error[0] > ERROR_GRACE_S))
+
+                def tick():
+                    if live is not None:
+                        live.update(self._ranks, time.monotonic() - t0)
+
+                if not self._pump_until(settled, t0 + timeout, on_tick=tick):
+                    raise self._report("timeout", run_id, only_rank, timeout=timeout)
+                dead = [rk for rk in self._ranks if rk.dead and not self._complete(rk, results, run_id)]
                 if dead:
-                    raise self._dead_error(dead, only_rank)
-                now = time.monotonic()
-                if live is not None:
-                    live.update(self._ranks, now - t0)
-                if first_error_at is not None and now - first_error_at > ERROR_GRACE_S:
-                    break
-                if now - t0 > timeout:
-                    raise self._timeout_error(results, run_id, timeout, only_rank)
-        except KeyboardInterrupt:
-            note = self._recover(run_id, interrupt=True)
-            self._show(only_rank)
-            raise KeyboardInterrupt(f"interrupted: every rank stopped. {note}") from None
-        finally:
-            self._close_live()
-        if any(not ok for ok, _ in results.values()) or len(results) < self.world_size:
-            raise self._rank_error(results, run_id, only_rank)
+                    raise self._report("dead", run_id, only_rank, dead=dead)
+            except KeyboardInterrupt:
+                note = self._recover(run_id, interrupt=True)
+                self._show(only_rank)
+                raise KeyboardInterrupt(f"interrupted: every rank stopped. {note}") from None
+            finally:
+                self._close_live()
+            if any(not ok for ok, _ in results.values()) or len(results) < self.world_size:
+                raise self._report("error", run_id, only_rank)
         self._show(only_rank)
         return [results[r][1] for r in range(self.world_size)]
 
@@ -538,7 +621,7 @@ class Cluster:
             for name in ("stdout", "stderr"):
                 if lines[name]:
                     stream = getattr(sys, name)
-                    stream.write("".join(f"[rank {rank}] {line}\n" for line in lines[name]))
+                    stream.write("".join(f"[rank {rank}] {line}\n" for line in hide_cpp_frames(lines[name])))
                     stream.flush()
 
     def _stacks(self, ranks):
@@ -551,12 +634,29 @@ class Cluster:
             except OSError:
                 pass
         got = {}
-        deadline = time.monotonic() + 2
-        while len(got) < len(ranks) and time.monotonic() < deadline:
-            for rk, msg in self._pump(0.05):
+
+        def answered():
+            for rk, msg in self._take_messages():
                 if msg[0] == "stacks" and msg[1] == sid:
                     got[rk.rank] = msg[3]
+            return len(got) >= len(ranks)
+
+        self._pump_until(answered, time.monotonic() + 2)
         return got
+
+    def _rebuild_group(self, pg_timeout=None):
+        """A new process group on the same ranks (names kept); False if a rank failed to join it."""
+        self._generation += 1
+        gen = self._generation
+        if pg_timeout is not None:
+            self._pg_timeout = pg_timeout
+        self._run_id += 1
+        reset_id = self._run_id
+        done = self._done.setdefault(reset_id, {})
+        self._send_all(lambda rid: ("reset", rid, gen, self._pg_timeout))
+        self._pump_until(lambda: any(rk.dead for rk in self._ranks)
+                         or all(self._complete(rk, done, reset_id) for rk in self._ranks), time.monotonic() + 30)
+        return all(self._complete(rk, done, reset_id) and done[rk.rank][0] for rk in self._ranks)
 
     def _recover(self, run_id, interrupt=False):
         """Release every rank and rebuild the process group; replace the ranks if that fails.
@@ -568,122 +668,56 @@ class Cluster:
             try:
                 rk.send(("abort",))  # idle ranks drop their connections: peers stuck on them error out
             except OSError:
-                rk.dead = True
+                self._mark_dead(rk)
         for rk in live:
             if rk.rank not in results and rk.proc.poll() is None:
                 try:
                     os.kill(rk.proc.pid, signal.SIGINT)  # Python loops and sleeps stop here
                 except OSError:
                     pass
-        deadline = time.monotonic() + RELEASE_S
-        while time.monotonic() < deadline:
-            self._pump(0.05)
-            if all(self._complete(rk, results, run_id) for rk in self._ranks) or any(rk.dead for rk in self._ranks):
-                break
-        if all(self._complete(rk, results, run_id) for rk in self._ranks):
-            self._generation += 1
-            gen = self._generation
-            self._run_id += 1
-            reset_id = self._run_id
-            done = self._done.setdefault(reset_id, {})
-            self._send_all(lambda rid: ("reset", rid, gen))
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not any(rk.dead for rk in self._ranks):
-                self._pump(0.05)
-                if all(self._complete(rk, done, reset_id) for rk in self._ranks):
-                    break
-            if all(self._complete(rk, done, reset_id) and done[rk.rank][0] for rk in self._ranks):
-                return "The ranks were released and the process group rebuilt; names you defined are kept."
+        if not self._group:  # spawn(): one-shot ranks; stop them all, as torch.multiprocessing.spawn does
+            self._pump_until(lambda: all(self._complete(rk, results, run_id) for rk in self._ranks),
+                             time.monotonic() + 1.0)
+            self._replace(start=False)
+            return "The other ranks were stopped."
+        self._pump_until(lambda: all(self._complete(rk, results, run_id) for rk in self._ranks)
+                         or any(rk.dead for rk in self._ranks), time.monotonic() + RELEASE_S)
+        if all(self._complete(rk, results, run_id) for rk in self._ranks) and self._rebuild_group():
+            return "The ranks were released and the process group rebuilt; names you defined are kept."
         self._replace(start=not interrupt)  # after an interrupt, start lazily: the cell returns now
         return "The ranks were replaced with fresh ones; names you defined on them are gone."
 
     # -- errors ------------------------------------------------------------------------
-    def _describe(self, rank, results, stacks, first):
-        if rank in results:
-            ok, payload = results[rank]
-            if ok:
-                return "finished"
-            where = f" {payload['where']}" if payload.get("where") else ""
-            if rank == first:
-                return f"raised {payload['type']}{where}"
-            return f"then raised {payload['type']}{where}"
-        info = stacks.get(rank)
-        if info and info.get("where"):
-            return f"was running {info['where']}"
-        return "was running"
-
-    def _rank_error(self, results, run_id, only_rank):
+    def _report(self, kind, run_id, only_rank, timeout=None, dead=()):
+        """Snapshot, stacks of the ranks still running, recovery, output, then the report."""
         __tracebackhide__ = True
-        errors = {r: p for r, (ok, p) in results.items() if not ok}
-        first = _first_failure(errors)
-        running = [rk for rk in self._ranks if rk.rank not in results]
+        if kind == "dead":
+            for rk in dead:
+                try:
+                    rk.proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    rk.proc.kill()
+                    rk.proc.wait()
+            codes = {rk.rank: rk.proc.returncode for rk in dead}
+            self._show(only_rank)
+            self._replace(start=self._group)
+            note = ("The ranks were replaced with fresh ones; names you defined on them are gone." if self._group
+                    else "The other ranks were stopped.")
+            return dead_error(codes, note)
+        results = dict(self._done.get(run_id, {}))  # one moment: what had finished when the report began
+        running = [rk for rk in self._ranks if rk.rank not in results and not rk.dead]
         stacks = self._stacks(running) if running else {}
-        results = dict(results)  # what the ranks had done when the error was noticed
         note = self._recover(run_id)
         self._show(only_rank)
-        e = errors[first]
-        others = {r: self._describe(r, results, stacks, first) for r in range(self.world_size) if r != first}
-        details = [e["traceback"].rstrip(), "", "The other ranks:"]
-        details += [f"  rank {r}: {s}" for r, s in others.items()]
-        details += ["", note]
-        return DistributedError(
-            f"rank {first} failed with {e['type']}: {e['message']}", "\n".join(details),
-            rank=first, exc_type=e["type"], exc_message=e["message"], rank_traceback=e["traceback"],
-            ranks=others)
-
-    def _timeout_error(self, results, run_id, timeout, only_rank):
-        __tracebackhide__ = True
-        stuck = [rk for rk in self._ranks if rk.rank not in results]
-        stacks = self._stacks(stuck)
-        finished = sorted(results)
-        note = self._recover(run_id)
-        self._show(only_rank)
-        lines = [f"{_plural(finished)} finished." if finished else "No rank finished."]
-        states = {}
-        for rk in stuck:
-            info = stacks.get(rk.rank, {})
-            states[rk.rank] = f"stuck {info['where']}" if info.get("where") else "stuck (no Python stack)"
-            lines.append(f"  rank {rk.rank}: {states[rk.rank]}")
-        for rk in stuck:
-            info = stacks.get(rk.rank, {})
-            if info.get("stack"):
-                lines += ["", f"Python stack of rank {rk.rank} (most recent call last):", info["stack"].rstrip()]
-        lines += ["", note]
-        return DistributedTimeout(
-            f"{_plural([rk.rank for rk in stuck])} did not finish within {timeout:g} s "
-            "(a rank skipped a collective, or is still computing: raise --timeout if so).",
-            "\n".join(lines), ranks=states)
-
-    def _dead_error(self, dead, only_rank):
-        __tracebackhide__ = True
-        for rk in dead:
-            try:
-                rk.proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                rk.proc.kill()
-                rk.proc.wait()
-        codes = {rk.rank: rk.proc.returncode for rk in dead}
-        self._show(only_rank)
-        how = {r: (f"was killed by {_signal_name(c)}" if c < 0 else f"exited with code {c}")
-               for r, c in codes.items()}
-        first = min(codes)
-        self._replace()
-        lines = [f"  rank {r}: {h}" for r, h in how.items()]
-        lines += ["", "The ranks were replaced with fresh ones; names you defined on them are gone."]
-        return DistributedError(f"rank {first} died: it {how[first]}.", "\n".join(lines), rank=first,
-                                exc_type="ProcessExit", exc_message=how[first], ranks=how)
+        if kind == "timeout":
+            return timeout_error(self.world_size, results, stacks, timeout, note)
+        return rank_error(self.world_size, results, stacks, note)
 
 
-_RELEASED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _first_failure(errors):
-    """The rank to blame: the lowest rank among the errors that are not just a rank being released
-    from a collective, within a second of the earliest one (so that a bug hitting every rank at
-    once is reported the same way every run)."""
-    causes = {r: e for r, e in errors.items() if not any(m in e["message"] for m in _RELEASED)} or errors
-    earliest = min(e["time"] for e in causes.values())
-    return min(r for r, e in causes.items() if e["time"] <= earliest + 1.0)
+def _undecodable_info(error):
+    return {"type": type(error).__name__,
+            "message": f"the rank's reply could not be loaded in the notebook: {error}",
+            "traceback": f"{type(error).__name__}: {error}\n", "where": "", "time": time.time()}
 
 
 def _dumps_named(values, what):
@@ -735,3 +769,31 @@ def launch(fn, *args, world_size=2, backend="auto", timeout=60, **kwargs):
     with Cluster(world_size=world_size, backend=backend, timeout=timeout) as cluster:
         return cluster.run(fn, *args, **kwargs)
 
+
+
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn", *, timeout=None, backend="auto"):
+    """``torch.multiprocessing.spawn`` for notebooks: run ``fn(rank, *args)`` on ``nprocs`` fresh ranks.
+
+    Introduced in 00_launcher_tour. No process group is set up: ``fn`` calls ``init_process_group``
+    itself, as the tutorials' code does, with ``MASTER_ADDR``/``MASTER_PORT`` preset to a free loopback
+    port (``fn`` may set its own). Functions from notebook cells are sent by value; output is relayed
+    per rank; a failure raises ``DistributedError`` and stops the other ranks. Returns the ranks'
+    return values in rank order. ``timeout`` (seconds, default none, like ``mp.spawn``) turns a hang
+    into ``DistributedTimeout``. ``daemon`` and ``start_method`` are accepted for compatibility: the
+    ranks are always fresh interpreters that end with the call.
+    """
+    __tracebackhide__ = True
+    if not join:
+        raise ValueError("spawn(join=False) is not supported: the notebook waits for the ranks. Use join=True.")
+    if start_method not in ("spawn", "forkserver", "fork"):
+        raise ValueError(f"unknown start_method {start_method!r}")
+    if not callable(fn):
+        raise ValueError(f"spawn() takes a function, got {type(fn).__name__}")
+    if not isinstance(args, tuple):
+        raise ValueError(f"args must be a tuple (as for torch.multiprocessing.spawn), got {type(args).__name__}")
+    cluster = Cluster(world_size=nprocs, backend=backend, timeout=math.inf if timeout is None else timeout,
+                      _group=False)
+    try:
+        return cluster._request(cluster._call_message(fn, args, {}, with_rank=True), None)
+    finally:
+        cluster.shutdown()

@@ -166,14 +166,13 @@ class DDPMagics(Magics):
         live = None if launcher._under_nbval() else LiveView(args.world_size or 2)
         try:
             cluster, note = _cluster_for(args.world_size, args.backend, live)
-            make = cluster._code_message(cell, _this_cell_name())
+            if live is not None:
+                live.world_size = cluster.world_size
+            values = cluster.run_cell(cell, _this_cell_name(), timeout=args.timeout, live=live, only_rank=args.rank)
         except BaseException:
             if live is not None:
                 live.close()
             raise
-        if live is not None:
-            live.world_size = cluster.world_size
-        values = cluster._request(make, args.timeout, live=live, only_rank=args.rank)
         if note:
             print(note)
         _CELLS.append((line, cell))

@@ -1,0 +1,145 @@
+"""The error reports of a Cluster: what failed, where each rank was, and what the engine did about it.
+
+Pure functions of a snapshot taken by the launcher, so that every list in a report comes from one
+moment (a rank is never both "stuck" and "finished").
+"""
+import os
+import re
+import signal
+
+_CPP_FRAME = re.compile(r"^\s*frame #\d+: ")
+_RELEASED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+class DistributedError(RuntimeError):
+    """A rank failed. ``str()`` names the first failing rank, its traceback and the others' state."""
+
+    def __init__(self, summary, details="", *, rank=None, exc_type=None, exc_message=None,
+                 rank_traceback=None, ranks=None):
+        super().__init__(summary)
+        self.summary, self.details = summary, details
+        self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
+        self.rank_traceback = rank_traceback
+        self.ranks = ranks or {}  # rank -> what it was doing
+
+    def __str__(self):
+        return self.summary + ("\n" + self.details if self.details else "")
+
+    def _render_traceback_(self):  # IPython: show the ranks' story, not the engine's frames
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class DistributedTimeout(DistributedError, TimeoutError):
+    """No result within ``timeout`` seconds: says which ranks finished and where the others are stuck."""
+
+
+def plural(ranks):
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def signal_name(code):
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def hide_cpp_frames(lines):
+    """Collapse each run of C++ frame lines ("frame #11: ... libtorch_python.so") into one line
+    that says how many were hidden, unless TORCH_SHOW_CPP_STACKTRACES=1 asks for them."""
+    if os.environ.get("TORCH_SHOW_CPP_STACKTRACES", "0") not in ("", "0"):
+        return list(lines)
+    out, run = [], 0
+    for line in list(lines) + [None]:
+        if line is not None and _CPP_FRAME.match(line):
+            run += 1
+            continue
+        if run:
+            frames = f"{run} C++ frame{'s' if run > 1 else ''}"
+            out.append(f"[{frames} hidden: set TORCH_SHOW_CPP_STACKTRACES=1 to see them]")
+            run = 0
+        if line is not None:
+            out.append(line)
+    return out
+
+
+def hide_cpp_frames_text(text):
+    return "\n".join(hide_cpp_frames(text.split("\n")))
+
+
+def first_failure(errors):
+    """The rank to blame: the lowest rank among the errors that are not just a rank being released
+    from a collective, within a second of the earliest one (so that a bug hitting every rank at
+    once is reported the same way every run)."""
+    causes = {r: e for r, e in errors.items() if not any(m in e["message"] for m in _RELEASED)} or errors
+    earliest = min(e["time"] for e in causes.values())
+    return min(r for r, e in causes.items() if e["time"] <= earliest + 1.0)
+
+
+def describe(rank, results, stacks, first):
+    """What ``rank`` was doing in the snapshot ``results`` (rank -> (ok, payload)) and ``stacks``."""
+    if rank in results:
+        ok, payload = results[rank]
+        if ok:
+            return "finished"
+        where = f" {payload['where']}" if payload.get("where") else ""
+        return f"{'raised' if rank == first else 'then raised'} {payload['type']}{where}"
+    info = stacks.get(rank)
+    if info and info.get("where"):
+        return f"was running {info['where']}"
+    return "was running"
+
+
+def rank_error(world_size, results, stacks, note):
+    errors = {r: p for r, (ok, p) in results.items() if not ok}
+    first = first_failure(errors)
+    e = errors[first]
+    others = {r: describe(r, results, stacks, first) for r in range(world_size) if r != first}
+    details = [hide_cpp_frames_text(e["traceback"].rstrip()), "", "The other ranks:"]
+    details += [f"  rank {r}: {s}" for r, s in others.items()]
+    if note:
+        details += ["", note]
+    return DistributedError(
+        f"rank {first} failed with {e['type']}: {hide_cpp_frames_text(e['message'])}", "\n".join(details),
+        rank=first, exc_type=e["type"], exc_message=e["message"], rank_traceback=e["traceback"], ranks=others)
+
+
+def timeout_error(world_size, results, stacks, timeout, note):
+    """``results`` is the snapshot taken when the time ran out: the ranks in it finished, the others are stuck."""
+    finished = sorted(r for r, (ok, _) in results.items() if ok)
+    failed = sorted(r for r, (ok, _) in results.items() if not ok)
+    stuck = [r for r in range(world_size) if r not in results]
+    lines = [f"{plural(finished)} finished." if finished else "No rank finished."]
+    if failed:
+        lines.append(f"{plural(failed)} raised an error.")
+    states = {}
+    for r in stuck:
+        info = stacks.get(r, {})
+        if info.get("where"):
+            states[r] = f"stuck {info['where']}"
+        elif info and not info.get("busy"):
+            states[r] = "stuck until just after the timeout (it finished while the stacks were taken)"
+        else:
+            states[r] = "stuck (no Python stack)"
+        lines.append(f"  rank {r}: {states[r]}")
+    for r in stuck:
+        info = stacks.get(r, {})
+        if info.get("stack"):
+            lines += ["", f"Python stack of rank {r} (most recent call last):", info["stack"].rstrip()]
+    if note:
+        lines += ["", note]
+    return DistributedTimeout(
+        f"{plural(stuck)} did not finish within {timeout:g} s "
+        "(a rank skipped a collective, or is still computing: raise --timeout if so).",
+        "\n".join(lines), ranks=states)
+
+
+def dead_error(codes, note):
+    """``codes``: rank -> exit code (negative: killed by that signal)."""
+    how = {r: (f"was killed by {signal_name(c)}" if c < 0 else f"exited with code {c}") for r, c in codes.items()}
+    first = min(codes)
+    lines = [f"  rank {r}: {h}" for r, h in how.items()]
+    if note:
+        lines += ["", note]
+    return DistributedError(f"rank {first} died: it {how[first]}.", "\n".join(lines), rank=first,
+                            exc_type="ProcessExit", exc_message=how[first], ranks=how)
