@@ -5,25 +5,24 @@ classic mistake fails with a message that names its factor.
 """
 import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import register_by_value
 
-from course_utils import Cluster, DistributedError
+from course_utils import DistributedError
 from course_utils.checks import check_grad_averaging
-from course_utils.checks.grad_avg import _cases, _explain_factor, _pick_sizes
+from course_utils.checks.grad_avg import RTOL, _cases, _explain_factor, _pick_sizes, _unequal_sizes
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
 WORLD_SIZE = 2  # the checker then uses accum_steps=3, micro_batch_size=5: every factor is distinct
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with Cluster(world_size=WORLD_SIZE, timeout=60) as c:
-        yield c
+def cluster(make_cluster):
+    return make_cluster(WORLD_SIZE, timeout=60)  # gloo pinned by make_cluster
 
 
 def _backward_all(model, micro_batches, divide_by_k=True, reduction="mean"):
@@ -195,10 +194,127 @@ def test_sizes_make_every_factor_distinct(world_size):
     k, b = _pick_sizes(world_size)
     factors = {world_size ** i * k ** j * b ** m for i in (0, 1) for j in (0, 1) for m in (0, 1)}
     assert len(factors) == 8, f"world_size={world_size}, accum_steps={k}, micro_batch_size={b}: factors collide"
-    assert [c["accum_steps"] for c in _cases(world_size)] == [k, 1], "a case with accumulation, then one without"
+    assert [len(c["sizes"][0]) for c in _cases(world_size)] == [k, 1], "a case with accumulation, then one without"
+    for case in _cases(world_size, unequal=True):
+        sizes = case["sizes"]
+        assert len(sizes) == world_size
+        assert len({sum(row) for row in sizes}) > 1, f"the ranks must hold different sample counts: {sizes}"
+    within = _unequal_sizes(world_size)
+    assert all(len(set(row)) == len(row) for row in within), f"micro-batches must differ within a rank: {within}"
 
 
 def test_factor_names():
     assert _explain_factor(4.0, 4, 3, 5)[1].startswith("world_size."), "4 ranks, 4x too large: world_size"
     assert _explain_factor(12.0, 4, 3, 5)[1].startswith("world_size x accum_steps."), "12 = 4 x 3"
     assert _explain_factor(1.7, 4, 3, 5) is None, "1.7 is no product of 4, 3 and 5"
+
+
+# -- near misses: the tolerance itself is tested (issue 18) -------------------------------------
+def just_above_tolerance(model, micro_batches):  # right, then scaled by 1 + 100 x RTOL
+    right_avg(model, micro_batches)
+    for p in model.parameters():
+        p.grad *= 1 + 100 * RTOL
+
+
+def rounding_below_tolerance(model, micro_batches):  # right, then scaled by 1 + RTOL / 100
+    right_avg(model, micro_batches)
+    for p in model.parameters():
+        p.grad *= 1 + RTOL / 100
+
+
+def reduced_in_bfloat16(model, micro_batches):  # all-reduce in bf16: right direction, ~1e-3 off
+    _backward_all(model, micro_batches)
+    for p in model.parameters():
+        low = p.grad.to(torch.bfloat16)
+        dist.all_reduce(low, op=dist.ReduceOp.SUM)
+        p.grad.copy_(low.double() / dist.get_world_size())
+
+
+def test_just_above_the_tolerance_fails(cluster):
+    with pytest.raises(AssertionError, match="off by only 1e-07 relative") as info:
+        check_grad_averaging(just_above_tolerance, cluster=cluster)
+    assert f"allows {RTOL:g}" in str(info.value), str(info.value)
+
+
+def test_rounding_below_the_tolerance_passes(cluster):
+    check_grad_averaging(rounding_below_tolerance, cluster=cluster)
+
+
+def test_a_bfloat16_reduction_is_close_but_rejected(cluster):
+    with pytest.raises(AssertionError, match=r"close, but not exact: .*bfloat16"):
+        check_grad_averaging(reduced_in_bfloat16, cluster=cluster)
+
+
+# -- unequal micro-batches (issue 13) -------------------------------------------------------------
+def token_weighted(model, micro_batches):
+    n_global = torch.tensor(float(sum(len(x) for x, _ in micro_batches)), dtype=torch.float64)
+    dist.all_reduce(n_global)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y, reduction="sum") / n_global).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def token_weighted_then_avg(model, micro_batches):  # divides by W twice
+    n_global = torch.tensor(float(sum(len(x) for x, _ in micro_batches)), dtype=torch.float64)
+    dist.all_reduce(n_global)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y, reduction="sum") / n_global).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def local_count(model, micro_batches):  # divides by this rank's count, then averages the ranks
+    n_local = sum(len(x) for x, _ in micro_batches)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y, reduction="sum") / n_local).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def test_unequal_right_answer_passes(cluster):
+    check_grad_averaging(token_weighted, cluster=cluster, unequal=True)
+
+
+def test_equal_sizes_are_a_special_case_of_the_token_fix(cluster):
+    check_grad_averaging(token_weighted, cluster=cluster)
+
+
+def test_mean_of_means_fails_with_the_weights_explained(cluster):
+    with pytest.raises(AssertionError) as info:
+        check_grad_averaging(right_sum_then_divide, cluster=cluster, unequal=True)
+    msg = str(info.value)
+    assert "mean of micro-batch means" in msg and "N / (W x K x b)" in msg, msg
+    assert "reduction='sum'" in msg and "all-reduce" in msg, f"the message must say what to do:\n{msg}"
+
+
+def test_a_mean_of_means_without_the_division_by_w_says_both(cluster):
+    with pytest.raises(AssertionError, match="mean of micro-batch means.*not divided by world_size"):
+        check_grad_averaging(no_division_by_world_size, cluster=cluster, unequal=True)
+
+
+def test_per_rank_count_fails_with_the_ranks_counts(cluster):
+    with pytest.raises(AssertionError, match=r"divides by its OWN sample count.*\(12, 13\)"):
+        check_grad_averaging(local_count, cluster=cluster, unequal=True)
+
+
+def test_global_count_and_avg_is_a_named_factor(cluster):
+    with pytest.raises(AssertionError, match="2x too small: the factor is 1/world_size. Dividing by the global"):
+        check_grad_averaging(token_weighted_then_avg, cluster=cluster, unequal=True)
+
+
+# -- counting collectives ---------------------------------------------------------------------------
+def test_collectives_are_counted(cluster):
+    check_grad_averaging(right_one_flat_buffer, cluster=cluster, collectives=1)
+    with pytest.raises(AssertionError, match=r"gradients are right, but rank 0 called 4 collectives .*all_reduce x 4"):
+        check_grad_averaging(right_avg, cluster=cluster, collectives=1)
+
+
+def test_counting_leaves_torch_distributed_as_it_was(cluster):
+    def originals():
+        import torch.distributed as dist
+        return dist.all_reduce.__module__, dist.all_reduce.__qualname__
+
+    before = cluster.run(originals)
+    check_grad_averaging(right_avg, cluster=cluster, collectives=10)
+    assert cluster.run(originals) == before, "the counting wrappers must be removed after the check"

@@ -1,30 +1,50 @@
-"""Checker for the gradient-averaging exercise.
+"""Checker for the gradient-averaging exercises, and the course's solutions to them.
 
 Introduced in 05_manual_gradient_averaging::
 
     def accumulate_and_average(model, micro_batches):
         ...  # forward/backward on each (x, y), then average the gradients across ranks
 
-    check_grad_averaging(accumulate_and_average)
+    check_grad_averaging(accumulate_and_average)                  # exercise 1
+    check_grad_averaging(one_all_reduce, collectives=1)            # exercise 2: one collective per step
+    check_grad_averaging(token_weighted, unequal=True)             # exercise 4: micro-batches of any size
+    check_adam_hides_the_bug(bad, good)                            # exercise 3
 
 The learner's function runs on every rank of a real process group. Each rank gets the same
-model (float64) and its own ``accum_steps`` micro-batches of ``micro_batch_size`` samples. After
+model (float64) and its own micro-batches: ``accum_steps`` of them, of ``micro_batch_size`` samples
+each, or with ``unequal=True`` of sizes that differ between micro-steps and between ranks. After
 the call, every rank's ``p.grad`` must equal the gradient of the mean-squared error (mean over
-samples) of ONE process on the whole global batch of ``micro_batch_size x accum_steps x
-world_size`` samples. When it does not, the AssertionError says by which factor the gradient is
-off and which division (or collective) that factor points to.
+ALL samples) of ONE process on the whole global batch. When it does not, the AssertionError says
+by which factor the gradient is off and which division (or collective) that factor points to.
+
+Tolerance: the check runs in float64 and accepts a relative error up to ``RTOL`` = 1e-9 (a right
+answer agrees to ~1e-15 whatever the summation order; a factor, a lower-precision reduction or a
+mean of means is off by 1e-3 or far more).
 """
 import itertools
 import math
 
 import torch
 
-__all__ = ["check_grad_averaging"]
+__all__ = ["check_grad_averaging", "check_adam_hides_the_bug", "RTOL"]
 
 D_IN = 16
-RTOL = 1e-9  # the check runs in float64: a right answer agrees to ~1e-15, a factor is off by 10% or more
+RTOL = 1e-9
+
+# the collectives counted by ``collectives=``: every torch.distributed function that moves tensor data
+_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                "all_gather_single", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
+                "reduce_scatter_single", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+                "batch_isend_irecv", "gather", "scatter", "broadcast_object_list")
 
 _CLUSTERS = {}  # world_size -> Cluster, reused across calls when no %%ddp cluster is running
+
+
+def _fail(message):
+    """An AssertionError that IPython shows as its verdict alone, without the checker's frames."""
+    exc = AssertionError(message)
+    exc._render_traceback_ = lambda: [f"\x1b[31mAssertionError\x1b[0m: {message}"]
+    return exc
 
 
 def _pick_sizes(world_size):
@@ -36,17 +56,53 @@ def _pick_sizes(world_size):
     return 3, 5
 
 
-def _cases(world_size):
+_UNEQUAL_PATTERNS = [(2, 7, 3), (5, 1, 7), (3, 9, 2), (1, 4, 8)]  # rank totals 12, 13, 14, 13
+
+
+def _unequal_sizes(world_size):
+    """Three micro-batches per rank whose sizes differ between micro-steps AND between ranks."""
+    sizes = []
+    for r in range(world_size):
+        row = list(_UNEQUAL_PATTERNS[r % len(_UNEQUAL_PATTERNS)])
+        row[row.index(max(row))] += r // len(_UNEQUAL_PATTERNS)  # beyond 4 ranks: grow the largest, keep them distinct
+        sizes.append(row)
+    return sizes
+
+
+def _cases(world_size, unequal=False):
+    """Each case: ``sizes[rank][micro_step]`` (samples per micro-batch) and a seed."""
     k, b = _pick_sizes(world_size)
-    return [dict(accum_steps=k, micro_batch_size=b, seed=1), dict(accum_steps=1, micro_batch_size=b, seed=2)]
+    if unequal:
+        one_each = [[3 + 2 * r] for r in range(world_size)]  # accum_steps = 1, ranks of different sizes
+        return [dict(sizes=_unequal_sizes(world_size), seed=3), dict(sizes=one_each, seed=4)]
+    return [dict(sizes=[[b] * k] * world_size, seed=1), dict(sizes=[[b]] * world_size, seed=2)]
 
 
-def _case_data(case, world_size):
+def _describe_case(case):
+    sizes, ws = case["sizes"], len(case["sizes"])
+    flat = {s for row in sizes for s in row}
+    if len(flat) == 1:
+        return f"(case: world_size={ws}, accum_steps={len(sizes[0])}, micro_batch_size={flat.pop()})"
+    return f"(case: world_size={ws}, micro-batch sizes per rank {sizes})"
+
+
+def _case_data(case):
     """The global batch of a case: the same tensors on every rank and in the notebook."""
     from course_utils.data import make_regression
 
-    n = case["micro_batch_size"] * case["accum_steps"] * world_size
+    n = sum(sum(row) for row in case["sizes"])
     return make_regression(n=n, d_in=D_IN, seed=100 + case["seed"], dtype=torch.float64)
+
+
+def _micro_batches(case, rank):
+    """Rank ``rank``'s micro-batches: consecutive slices of the global batch."""
+    x, y = _case_data(case)
+    start = sum(sum(row) for row in case["sizes"][:rank])
+    out = []
+    for size in case["sizes"][rank]:
+        out.append((x[start:start + size], y[start:start + size]))
+        start += size
+    return out
 
 
 def _model(case):
@@ -55,32 +111,75 @@ def _model(case):
     return make_model(seed=case["seed"], d_in=D_IN, d_hidden=8).double()
 
 
-def _reference(case, world_size):
-    """One process, the whole global batch, mean loss: the gradient every rank must end with."""
+def _grads_of(losses_and_weights, case):
+    """Gradient of sum(weight x loss) over (x, y, weight, reduction) items, one process."""
     import torch.nn.functional as F
 
-    x, y = _case_data(case, world_size)
     model = _model(case)
-    F.mse_loss(model(x), y).backward()
+    for x, y, weight in losses_and_weights:
+        (weight * F.mse_loss(model(x), y, reduction="sum")).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def _reference(case):
+    """One process, the whole global batch, mean loss: the gradient every rank must end with."""
+    x, y = _case_data(case)
+    return _grads_of([(x, y, 1.0 / len(x))], case)
+
+
+def _wrong_weightings(case):
+    """The gradients of the usual wrong weightings of unequal micro-batches (for the explanations)."""
+    ws, sizes = len(case["sizes"]), case["sizes"]
+    per_micro = [(x, y, r, len(x)) for r in range(ws) for x, y in _micro_batches(case, r)]
+    rank_count = [sum(row) for row in sizes]
+    return {  # rank means first: with one micro-batch per rank the two are the same thing
+        "rank means": _grads_of([(x, y, 1.0 / (rank_count[r] * ws)) for x, y, r, b in per_micro], case),
+        "mean of means": _grads_of([(x, y, 1.0 / (b * len(sizes[r]) * ws)) for x, y, r, b in per_micro], case),
+    }
+
+
+def _counting_collectives(counts):
+    """Patch torch.distributed's collectives so that each call adds 1 to ``counts[name]``; returns an undo."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = []
+    for module in (dist, c10d):
+        for name in _COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                counts[_name] = counts.get(_name, 0) + 1
+                return _original(*args, **kwargs)
+
+            saved.append((module, name, original))
+            setattr(module, name, counted)
+
+    def undo():
+        for module, name, original in saved:
+            setattr(module, name, original)
+    return undo
+
+
 def _run_on_rank(fn, cases):
-    """Runs on every rank: call ``fn(model, micro_batches)`` for each case, return the gradients."""
+    """Runs on every rank: call ``fn(model, micro_batches)`` for each case; the gradients and collective counts."""
     import torch.distributed as dist
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = []
     for case in cases:
-        x, y = _case_data(case, world_size)
-        k, b = case["accum_steps"], case["micro_batch_size"]
-        per_rank = k * b
-        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-        micro_batches = [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(k)]
+        micro_batches = _micro_batches(case, rank)
         model = _model(case)
-        fn(model, micro_batches)
-        out.append({name: None if p.grad is None else p.grad.detach().clone()
-                    for name, p in model.named_parameters()})
+        counts = {}
+        undo = _counting_collectives(counts)
+        try:
+            fn(model, micro_batches)
+        finally:
+            undo()
+        out.append({"grads": {name: None if p.grad is None else p.grad.detach().clone()
+                              for name, p in model.named_parameters()}, "collectives": counts})
     return out
 
 
@@ -89,7 +188,10 @@ def _flat(grads):
 
 
 def _explain_factor(ratio, world_size, accum_steps, micro_batch_size):
-    """Name the mistake behind a gradient that is ``ratio`` times the right one, or return None."""
+    """Name the mistake behind a gradient that is ``ratio`` times the right one, or return None.
+
+    ``accum_steps`` and ``micro_batch_size`` are None when the micro-batches differ in size.
+    """
     names = {
         (1, 0, 0): "world_size. The all_reduce(SUM) adds up the W ranks' gradients: divide by world_size "
                    "after it, or use op=dist.ReduceOp.AVG",
@@ -102,15 +204,23 @@ def _explain_factor(ratio, world_size, accum_steps, micro_batch_size):
         (1, 1, 0): "world_size x accum_steps. Neither division is there: divide each micro-batch's loss by "
                    "accum_steps and the all-reduced gradient by world_size",
     }
-    for (a, b, c), text in names.items():
-        factor = world_size ** a * accum_steps ** b * micro_batch_size ** c
+    if accum_steps is None:  # unequal micro-batches: the global count already divides by everything
+        names = {
+            (1, 0, 0): "world_size. The all_reduce(SUM) adds up the W ranks' gradients, and your loss was not "
+                       "divided by the number of samples in the WHOLE global batch (all-reduce the count)",
+            (-1, 0, 0): "1/world_size. Dividing by the global sample count already averages over every rank: "
+                        "all-reduce the gradients with SUM, and do not divide by world_size (nor use AVG)",
+        }
+    dims = [("world_size", world_size), ("accum_steps", accum_steps), ("micro_batch_size", micro_batch_size)]
+    for exps, text in names.items():
+        factor = math.prod(v ** e for (_, v), e in zip(dims, exps) if e)
         if math.isclose(ratio, factor, rel_tol=1e-6):
             return factor, text
-    for a, b, c in itertools.product((-1, 0, 1), (-1, 0, 1), (-1, 0, 1)):  # any other combination
-        factor = world_size ** a * accum_steps ** b * micro_batch_size ** c
-        if (a, b, c) != (0, 0, 0) and math.isclose(ratio, factor, rel_tol=1e-6):
-            parts = [f"{n}{'' if e == 1 else '^-1'}" for n, e in
-                     (("world_size", a), ("accum_steps", b), ("micro_batch_size", c)) if e]
+    usable = [(n, v) for n, v in dims if v is not None]
+    for exps in itertools.product((-1, 0, 1), repeat=len(usable)):  # any other combination
+        factor = math.prod(v ** e for (_, v), e in zip(usable, exps) if e)
+        if any(exps) and math.isclose(ratio, factor, rel_tol=1e-6):
+            parts = [f"{n}{'' if e == 1 else '^-1'}" for (n, _), e in zip(usable, exps) if e]
             return factor, " x ".join(parts)
     return None
 
@@ -120,10 +230,17 @@ def _size_word(factor):
     return f"{factor:.4g}x too large" if factor >= 1 else f"{1 / factor:.4g}x too small"
 
 
-def _compare(rank_grads, ref, case, world_size):
+def _close(a, b, ref_norm):
+    return torch.allclose(a, b, rtol=RTOL, atol=RTOL * ref_norm)
+
+
+def _compare(rank_grads, ref, case, wrong=None):
     """An explanation of what is wrong in one case, or None when every rank is right."""
-    k, b = case["accum_steps"], case["micro_batch_size"]
-    where = f"(case: world_size={world_size}, accum_steps={k}, micro_batch_size={b})"
+    sizes = case["sizes"]
+    world_size = len(sizes)
+    equal = len({s for row in sizes for s in row}) == 1
+    k, b = (len(sizes[0]), sizes[0][0]) if equal else (None, None)
+    where = _describe_case(case)
     for r, grads in enumerate(rank_grads):
         missing = [name for name, g in grads.items() if g is None]
         if missing:
@@ -139,7 +256,7 @@ def _compare(rank_grads, ref, case, world_size):
     ref_flat = _flat(ref)
     ref_norm = ref_flat.norm().item()
     flats = [_flat(g) for g in rank_grads]
-    right = [torch.allclose(f, ref_flat, rtol=RTOL, atol=RTOL * ref_norm) for f in flats]
+    right = [_close(f, ref_flat, ref_norm) for f in flats]
     if all(right):
         return None
 
@@ -148,14 +265,24 @@ def _compare(rank_grads, ref, case, world_size):
         if norm == 0:
             return "all zero (did you zero the gradients after averaging them?)"
         ratio = norm / rnorm
-        if (flat @ ref_vec).item() / (norm * rnorm) > 1 - 1e-9:  # same direction: a pure factor
+        cosine = (flat @ ref_vec).item() / (norm * rnorm)
+        rel = (flat - ref_vec).norm().item() / rnorm
+        if cosine > 1 - 1e-12:  # same direction: a pure factor
             named = _explain_factor(ratio, world_size, k, b)
             if named:
                 return f"{_size_word(named[0])}: the factor is {named[1]}"
+            if abs(ratio - 1) < 1e-3:
+                return (f"in the right direction and off by only {abs(ratio - 1):.2g} relative in size: "
+                        f"the check runs in float64 and allows {RTOL:g}. Did something round to a lower "
+                        "precision, or scale by a number close to 1?")
             return (f"{_size_word(ratio)}, in the right direction (a hard-coded number? use len(micro_batches) "
                     "and dist.get_world_size())")
-        rel = (flat - ref_vec).norm().item() / rnorm
-        return f"wrong: relative error {rel:.3g}, not a simple factor (norm ratio {ratio:.4g})"
+        if rel < 0.01:
+            return (f"close, but not exact: relative error {rel:.2g} (cosine similarity {cosine:.8f}); the check "
+                    f"runs in float64 and allows {RTOL:g}. Did the gradients go through float32, float16 or "
+                    "bfloat16 on the way (a cast before the all-reduce)?")
+        return (f"wrong: relative error {rel:.3g}, cosine similarity {cosine:.4f} with the right gradient: it "
+                f"points elsewhere, so this is not a simple factor (norm ratio {ratio:.4g})")
 
     same = all(torch.equal(flats[0], f) for f in flats[1:])
     if not same:
@@ -172,12 +299,35 @@ def _compare(rank_grads, ref, case, world_size):
                          "inside `if rank == 0:`, leaves the other ranks with their own gradient).")
         return "\n".join(lines)
 
-    # every rank agrees, and is wrong: is it one parameter, or all of them by the same factor?
+    # every rank agrees, and is wrong: a known wrong weighting of unequal micro-batches?
+    n_global = sum(sum(row) for row in sizes)
+    for name, g in (wrong or {}).items():
+        g_flat = _flat(g)
+        for scale, extra in ((1, ""), (world_size, " Also, the SUM over ranks is not divided by world_size.")):
+            if not _close(flats[0], scale * g_flat, ref_norm):
+                continue
+            if name == "mean of means":
+                weights = sorted({n_global / (s * len(row) * world_size) for row in sizes for s in row})
+                return (f"Every rank's gradient is a mean of micro-batch means {where}: each micro-batch's MEAN loss "
+                        f"divided by accum_steps, then averaged over the ranks. With micro-batches of different "
+                        f"sizes this weights each sample by N / (W x K x b) instead of 1 (N = {n_global} samples "
+                        f"in all, b the size of its micro-batch): from {weights[0]:.3g}x to {weights[-1]:.3g}x "
+                        "here. Sum the per-sample losses (reduction='sum') and divide by N, the sample count of "
+                        "the WHOLE global batch (all-reduce this rank's count to get it)." + extra)
+            counts = [sum(row) for row in sizes]
+            lo, hi = n_global / (world_size * max(counts)), n_global / (world_size * min(counts))
+            return (f"Every rank's gradient divides by its OWN sample count {where}, then averages the ranks. "
+                    f"The ranks hold different numbers of samples ({', '.join(map(str, counts))}), so a sample "
+                    f"on a small rank counts more: by N / (W x n_rank), from {lo:.3g}x to {hi:.3g}x here. "
+                    f"Divide by N = {n_global}, the count of the WHOLE global batch: all-reduce this rank's count "
+                    "first." + extra)
+
+    # is it one parameter, or all of them by the same factor?
     per_param = {name: describe(g.flatten(), ref[name].flatten()) for name, g in rank_grads[0].items()
-                 if not torch.allclose(g, ref[name], rtol=RTOL, atol=RTOL * ref_norm)}
+                 if not _close(g, ref[name], ref_norm)}
     if len(per_param) < len(ref):
-        wrong = ", ".join(f"{n} is {d}" for n, d in per_param.items())
-        return (f"Some parameters are right and others are not {where}: {wrong}. "
+        wrong_text = ", ".join(f"{n} is {d}" for n, d in per_param.items())
+        return (f"Some parameters are right and others are not {where}: {wrong_text}. "
                 "Average the gradient of every parameter in model.parameters().")
     return f"Every rank's gradient is {describe(flats[0], ref_flat)}. {where}"
 
@@ -199,21 +349,25 @@ def _cluster_for(world_size):
     world_size = world_size or 2
     c = _CLUSTERS.get(world_size)
     if c is None or not c.alive:
-        c = _CLUSTERS[world_size] = Cluster(world_size=world_size)
+        c = _CLUSTERS[world_size] = Cluster(world_size=world_size, backend="gloo")
     return c
 
 
-def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30):
+def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequal=False, collectives=None):
     """Check ``fn(model, micro_batches)`` against one process on the whole batch; raise AssertionError if wrong.
 
-    Introduced in 05_manual_gradient_averaging. ``micro_batches`` is this rank's list of
-    ``accum_steps`` pairs ``(x, y)``; the loss is ``F.mse_loss(model(x), y)`` (mean over samples).
-    After ``fn`` returns, every rank's ``p.grad`` must be the gradient of the mean loss over all
-    ``micro_batch_size x accum_steps x world_size`` samples. Two cases run: accum_steps > 1 and
-    accum_steps = 1.
+    Introduced in 05_manual_gradient_averaging. ``micro_batches`` is this rank's list of pairs
+    ``(x, y)``; the loss is ``F.mse_loss(model(x), y)``. After ``fn`` returns, every rank's ``p.grad``
+    must be the gradient of the mean loss over ALL samples of all ranks. Two cases run: accum_steps
+    > 1 and accum_steps = 1.
+
+    ``unequal=True``: the micro-batches differ in size between micro-steps and between ranks (as
+    token counts do). A mean of micro-batch means, or a mean of per-rank means, then fails with the
+    weights it gives each sample. ``collectives=N``: the function may call at most N collectives
+    (``dist.all_reduce`` and friends, counted on every rank) per call.
 
     The ranks are ``cluster`` if given; else, in a notebook, the ``%%ddp`` cluster (a 2-rank one
-    is started if none runs); else a ``Cluster(world_size or 2)`` kept for the next call. An error
+    is started if none runs); else a gloo ``Cluster(world_size or 2)`` kept for the next call. An error
     inside ``fn`` is raised as the usual ``DistributedError`` with the rank's traceback.
     """
     __tracebackhide__ = True
@@ -226,15 +380,99 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30):
     ws = cluster.world_size
     if ws < 2:
         raise ValueError("check_grad_averaging needs at least 2 ranks: with one, there is nothing to average.")
-    cases = _cases(ws)
+    cases = _cases(ws, unequal=unequal)
     try:
         results = cluster.run(_run_on_rank, fn, cases, timeout=timeout)
     except DistributedTimeout as exc:
-        raise AssertionError(
+        raise _fail(
             f"Your function hung: {exc.summary.split(' (')[0]}. A collective waits until EVERY rank calls it, "
             "in the same order: is an all_reduce inside `if rank == 0:`, or called a different number of "
             "times on different ranks?") from None
     for i, case in enumerate(cases):
-        problem = _compare([results[r][i] for r in range(ws)], _reference(case, ws), case, ws)
+        wrong = _wrong_weightings(case) if unequal else None
+        problem = _compare([results[r][i]["grads"] for r in range(ws)], _reference(case), case, wrong)
         if problem:
-            raise AssertionError(problem)
+            raise _fail(problem)
+    if collectives is not None:
+        for i, case in enumerate(cases):
+            for r in range(ws):
+                counts = results[r][i]["collectives"]
+                total = sum(counts.values())
+                if total > collectives:
+                    calls = ", ".join(f"dist.{name} x {n}" for name, n in sorted(counts.items()))
+                    raise _fail(
+                        f"Your gradients are right, but rank {r} called {total} collectives in one call ({calls}) "
+                        f"{_describe_case(case)}; the exercise allows {collectives}. Each call pays the latency "
+                        "alpha once: flatten every gradient into one tensor (torch.cat), all-reduce it once, and "
+                        "copy the slices back into each p.grad.")
+
+
+# -- exercise 3: Adam hides the bug -----------------------------------------------------------------
+def check_adam_hides_the_bug(bad, good, sgd_difference=None):
+    """05's exercise 3: ``bad``/``good`` are the flat weights after ``article_loop()`` / ``article_loop(fix=True)``
+    with Adam (lr=1e-3). They must differ, by less than 1e-4: Adam's step m / (sqrt(v) + eps) hardly changes
+    when every gradient is W times larger. ``sgd_difference``: the same difference with SGD, if measured.
+    Introduced in 05_manual_gradient_averaging."""
+    __tracebackhide__ = True
+    if bad is None or good is None:
+        raise _fail("Set bad and good to the weights after article_loop() and article_loop(fix=True), "
+                    "both run with Adam, then run the cell again.")
+    if not (isinstance(bad, torch.Tensor) and isinstance(good, torch.Tensor)) or bad.shape != good.shape:
+        raise _fail("bad and good must be the two flat weight tensors that article_loop returns second "
+                    "(its return value is (first gradient, weights)).")
+    diff = (bad - good).abs().max().item()
+    if bad is good or diff == 0:
+        raise _fail("bad and good are identical: run the loop twice, once as the article wrote it "
+                    "(fix=False) and once fixed (fix=True).")
+    if diff >= 1e-4:
+        hint = f" (SGD's was {sgd_difference:.3g})" if sgd_difference is not None else ""
+        raise _fail(f"The weights differ by {diff:.3g}{hint}: that is the size of the W-times-too-large "
+                    "gradient under SGD. Build the optimizer as torch.optim.Adam(model.parameters(), lr=1e-3) "
+                    "in both runs.")
+
+
+# -- the course's solutions (try your own first) ---------------------------------------------------
+def solution_accumulate_and_average(model, micro_batches):
+    """Exercise 1: mean loss / K per micro-batch, then SUM over the ranks / W."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    accum_steps = len(micro_batches)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) / accum_steps).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= dist.get_world_size()
+
+
+def solution_one_all_reduce(model, micro_batches):
+    """Exercise 2: every gradient flattened into one buffer, one all-reduce, copied back."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    accum_steps = len(micro_batches)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) / accum_steps).backward()
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def solution_make_adam(params):
+    """Exercise 3: the optimizer that hides the article's bug."""
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def solution_token_weighted(model, micro_batches):
+    """Exercise 4: sum of per-sample losses / the global sample count, then SUM over the ranks."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    n_global = torch.tensor(float(sum(len(x) for x, _ in micro_batches)), dtype=torch.float64)
+    dist.all_reduce(n_global)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y, reduction="sum") / n_global).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
