@@ -1,27 +1,42 @@
 """MicroDDP: the course's own DistributedDataParallel, small enough to read in one sitting.
 
 Introduced in 11_capstone_micro_ddp, where the learner writes it piece by piece; this is the
-reference solution. It does what torch's DDP does for a model whose parameters all take part
-in every backward:
+reference solution. It does what torch's DDP does for a model whose trainable parameters all
+take part in every synced backward:
 
 1. at construction, broadcast rank 0's parameters and buffers, so every replica starts equal;
-2. group the parameters into buckets in REVERSE order (backward produces the last layer's
-   gradients first), a bucket closing once it holds ``bucket_cap_mb`` MiB;
+2. group the trainable parameters into buckets: first in REVERSE registration order (a guess at
+   the order backward produces their gradients), a bucket closing once it holds
+   ``bucket_cap_mb`` MiB; after the first synced backward, the buckets are rebuilt once, in the
+   order the gradients actually became ready (rank 0's order, so every rank agrees), as torch
+   DDP does. (torch DDP with ``find_unused_parameters=False`` starts from ONE bucket in
+   iteration 0 instead of a guess; it keeps reverse registration order, never rebuilt, only
+   with ``find_unused_parameters=True``.)
 3. one hook per parameter (``register_post_accumulate_grad_hook``) copies its gradient into its
-   bucket; a full bucket starts an asynchronous all-reduce while backward goes on;
+   bucket; a bucket whose distinct parameters are all in starts an asynchronous all-reduce
+   while backward goes on, strictly in bucket order;
 4. a callback queued on the autograd engine waits for every bucket at the end of backward, so
    when ``loss.backward()`` returns, every ``.grad`` holds the average over the ranks;
 5. ``no_sync()`` skips all of it: gradients accumulate locally until the next synced backward.
 
+Wrapping the same module again hands it to the new wrapper: the old wrapper's hooks are removed
+(else every gradient would be all-reduced twice) and the old wrapper refuses to run.
+
 The compressor decides what goes on the wire: ``None`` (fp32), ``"fp16"``, ``"bf16"`` or
 ``"powersgd"`` (rank-r factors with error feedback), or any object with the same ``start``.
+Compressors with state (PowerSGD) have ``state_dict()``/``load_state_dict()``: save it in the
+checkpoint, or a resumed run is not the same run.
 """
 import contextlib
 import time
+import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+_WRAPPERS = weakref.WeakKeyDictionary()  # module -> weak reference to the MicroDDP that owns its hooks
 
 
 def broadcast_state(module, group=None):
@@ -32,12 +47,14 @@ def broadcast_state(module, group=None):
             dist.broadcast(t, src, group=group)
 
 
-def assign_buckets(params, bucket_cap_mb=25):
-    """Lists of indices into ``params``, walking them in reverse: a bucket closes once it holds
-    ``bucket_cap_mb`` MiB (so it may overflow by one parameter) or when the dtype changes."""
+def assign_buckets(params, bucket_cap_mb=25, order=None):
+    """Lists of indices into ``params``, walking them in ``order`` (default: reverse registration
+    order, the guess before the first backward): a bucket closes once it holds ``bucket_cap_mb``
+    MiB (so it may overflow by one parameter) or when the dtype changes."""
     cap = bucket_cap_mb * 1024 * 1024
+    order = list(reversed(range(len(params)))) if order is None else list(order)
     buckets, current, size = [], [], 0
-    for i in reversed(range(len(params))):
+    for i in order:
         if current and params[i].dtype != params[current[0]].dtype:
             buckets.append(current)
             current, size = [], 0
@@ -54,20 +71,26 @@ def assign_buckets(params, bucket_cap_mb=25):
 class Bucket:
     """Some parameters and one flat buffer that holds their gradients side by side."""
 
-    def __init__(self, index, params):
+    def __init__(self, index, params, names=None):
         self.index, self.params = index, params
+        self.names = list(names) if names is not None else [f"{index}.{i}" for i in range(len(params))]
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
             n += p.numel()
         self.buffer = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
-        self.ready = 0         # parameters whose gradient is in the buffer, this backward
+        self.ready = set()     # positions of the parameters whose gradient is in the buffer, this backward
         self.pending = None    # (work, then) while the all-reduce is in flight
 
     def view(self, i):
         """The slice of the buffer that belongs to parameter ``i``, shaped like it."""
         p = self.params[i]
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    @property
+    def full(self):
+        """Every one of the bucket's DISTINCT parameters has its gradient in (not: hooks fired n times)."""
+        return len(self.ready) == len(self.params)
 
 
 class MicroDDP(nn.Module):
@@ -81,37 +104,74 @@ class MicroDDP(nn.Module):
             loss_fn(model(x), y).backward()  # local accumulation only
 
     Set ``model.events = []`` to record a timeline (see ``plot_timeline``), ``None`` to stop.
+    ``model.rebuild_buckets = False`` keeps the first layout (to compare timelines).
     """
 
     def __init__(self, module, bucket_cap_mb=25, compressor=None, process_group=None):
         super().__init__()
+        previous = _WRAPPERS.get(module)
+        if previous is not None and previous() is not None:
+            previous().unwrap()               # its hooks would all-reduce every gradient a second time
         self.module = module
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self.bucket_cap_mb = bucket_cap_mb
         self.compressor = make_compressor(compressor)
         self.require_backward_grad_sync = True
+        self.rebuild_buckets = True
         self.events = None
+        self._released = False
         broadcast_state(module, process_group)  # replicas must start equal, or they never agree
-        params = [p for p in module.parameters() if p.requires_grad]
+        self._params = [p for p in module.parameters() if p.requires_grad]
         self._names = {p: name for name, p in module.named_parameters()}
-        self.buckets = [Bucket(b, [params[i] for i in idx])
-                        for b, idx in enumerate(assign_buckets(params, bucket_cap_mb))]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._build(assign_buckets(self._params, bucket_cap_mb))
+        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params]
+        _WRAPPERS[module] = weakref.ref(self)
+        self._ready_order = None  # the grad-ready order of the first synced backward, until the rebuild
+        self._rebuilt = False
+        self._sync = True
+        self._reset()
+
+    def _build(self, layout):
+        self.buckets = [Bucket(b, [self._params[i] for i in idx], [self._names[self._params[i]] for i in idx])
+                        for b, idx in enumerate(layout)]
         self._slot = {}  # parameter -> (bucket, position in the bucket)
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self._slot[p] = (bucket, i)
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-        self._sync = True
-        self._reset()
+
+    def _rebuild(self):
+        """Once, before the forward after the first synced backward: buckets in grad-ready order."""
+        order = torch.tensor(self._ready_order, dtype=torch.long, device=self.buckets[0].buffer.device)
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(order, src, group=self.group)  # rank 0's order: every rank must build the same buckets
+        self._build(assign_buckets(self._params, self.bucket_cap_mb, order.tolist()))
+        self._rebuilt = True
+        self._record("rebuilt")
+
+    def unwrap(self):
+        """Remove this wrapper's hooks and return the module; the wrapper refuses to run afterwards."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._released = [], True
+        if _WRAPPERS.get(self.module) is not None and _WRAPPERS[self.module]() is self:
+            del _WRAPPERS[self.module]
+        return self.module
 
     def _reset(self):
         self._next = 0          # the next bucket to launch: every rank launches in the same order
         self._queued = False    # is _finish queued on the autograd engine for this backward?
-        self._seen = set()      # parameters whose hook fired in this backward
+        self._seen = []         # parameters whose hook fired in this backward, in order, once each
         for bucket in self.buckets:
-            bucket.ready, bucket.pending = 0, None
+            bucket.ready, bucket.pending = set(), None
 
     def forward(self, *args, **kwargs):
+        if self._released:
+            raise RuntimeError("MicroDDP: this wrapper was unwrapped, or its module was wrapped again by a newer "
+                               "MicroDDP (which now owns the hooks). Use the newer wrapper.")
+        if torch.is_grad_enabled() and self._ready_order is not None and not self._rebuilt and self.rebuild_buckets:
+            self._rebuild()     # as torch DDP: before the forward, so peak memory does not grow
         self._sync = self.require_backward_grad_sync  # decided at forward time, as torch DDP does
         self._reset()
         out = self.module(*args, **kwargs)
@@ -127,26 +187,32 @@ class MicroDDP(nn.Module):
         try:
             yield
         finally:
-            self.require_backward_grad_sync = old
+            self.require_backward_grad_sync = old  # restore, not True: no_sync blocks may nest
 
     def _grad_ready(self, p):  # runs inside backward, right after p.grad was accumulated
-        if not self._sync:
+        if not self._sync or self._released:
             return
         if not self._queued:  # first hook of this backward: wait for the buckets when it ends
             self._queued = True
+            # Private API (underscore): torch's own DDP and FSDP use it; torch has no public "run this
+            # when the whole backward has finished" callback. (The nearest public tool,
+            # torch.autograd.graph.register_multi_grad_hook, fires once the gradients of given
+            # tensors are computed, before they are accumulated into .grad.)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket, i = self._slot[p]
+        if bucket.pending is not None:
+            raise RuntimeError(
+                f"MicroDDP: the gradient of {self._names[p]} changed after its bucket's all-reduce had started "
+                "(its hook fired twice in one backward, e.g. reentrant activation checkpointing). Use "
+                "torch.utils.checkpoint with use_reentrant=False, or call backward once per forward.")
         bucket.view(i).copy_(p.grad)
-        bucket.ready += 1
-        self._seen.add(p)
+        if i not in bucket.ready:
+            bucket.ready.add(i)
+            self._seen.append(p)
         self._record("grad ready", bucket.index)
-        while self._next < len(self.buckets) and self._full(self.buckets[self._next]):
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
             self._launch(self.buckets[self._next])
             self._next += 1
-
-    @staticmethod
-    def _full(bucket):
-        return bucket.ready == len(bucket.params)
 
     def _launch(self, bucket):
         self._record("launch", bucket.index)
@@ -157,15 +223,17 @@ class MicroDDP(nn.Module):
 
     def _finish(self):  # queued on the autograd engine: runs when backward has computed every grad
         self._record("backward end")
-        launched = self.buckets[:self._next]
-        for bucket in launched:
+        for bucket in self.buckets[:self._next]:
             work, then = bucket.pending
             work.wait()
             if then is not None:
                 then()  # e.g. cast fp16 back to fp32, or PowerSGD's second round
             for i, p in enumerate(bucket.params):
                 p.grad.copy_(bucket.view(i))
-        missing = [self._names[p] for b in self.buckets[self._next:] for p in b.params if p not in self._seen]
+        seen = set(self._seen)
+        missing = [self._names[p] for b in self.buckets[self._next:] for p in b.params if p not in seen]
+        if not missing and self._ready_order is None:
+            self._ready_order = [self._index[p] for p in self._seen]  # the next forward rebuilds from it
         self._reset()
         self._record("synced")
         if missing:
@@ -190,9 +258,17 @@ class AllReduce:
         flat.div_(dist.get_world_size(group))
         return dist.all_reduce(flat, group=group, async_op=True), None
 
+    def state_dict(self):
+        return {}
 
-class Cast:
-    """Send fp16 or bf16: half the bytes. Divide BEFORE casting: fp16 overflows past 65504."""
+    def load_state_dict(self, state):
+        pass
+
+
+class Cast(AllReduce):
+    """Send fp16 or bf16: half the bytes. Divide BEFORE casting: fp16 overflows past 65504.
+
+    The solution of 11_capstone_micro_ddp's exercise 1 (``Cast(torch.float16)``)."""
 
     def __init__(self, dtype):
         self.dtype = dtype
@@ -209,37 +285,60 @@ class PowerSGD:
 
     A gradient matrix M (m x n) is sent as P = M Q (m x r) and Q = M^T P (n x r): (m + n) r numbers
     instead of m n. What the approximation missed is added to the next step's gradient (error
-    feedback). Vectors, and matrices too small to gain, go uncompressed. The first
-    ``warmup_steps`` reductions of each bucket are plain all-reduces.
+    feedback). Vectors go uncompressed, and so does a matrix unless its compression rate
+    m n / ((m + n) r) exceeds ``min_compression_rate`` (2, torch's default): below that the two
+    rounds and the QR cost more than the bytes they save. The first ``warmup_steps`` reductions
+    are plain all-reduces. The state (error feedback, warm-started Q, reductions so far) is kept
+    per parameter name, so it survives the bucket rebuild, and ``state_dict()`` returns it for a
+    checkpoint.
     """
 
     name = "powersgd"
 
-    def __init__(self, rank=2, warmup_steps=0, seed=0):
+    def __init__(self, rank=2, warmup_steps=0, seed=0, min_compression_rate=2):
         self.rank, self.warmup_steps, self.seed = rank, warmup_steps, seed
+        self.min_compression_rate = min_compression_rate
         self.errors, self.qs, self.calls = {}, {}, {}
 
-    def _compress(self, p):
+    def _rank_for(self, p):
         m, n = p.shape[0], p.numel() // p.shape[0]
-        return p.dim() >= 2 and (m + n) * self.rank < m * n
+        return min(m, n, self.rank)
+
+    def compresses(self, p):
+        """torch's rule: a matrix, and (m + n) r x min_compression_rate < m n."""
+        if p.dim() < 2:
+            return False
+        m, n = p.shape[0], p.numel() // p.shape[0]
+        return (m + n) * self._rank_for(p) * self.min_compression_rate < m * n
+
+    def state_dict(self):
+        """Tensors and plain data only: torch.save / torch.load(weights_only=True) can carry it."""
+        return {"errors": {k: v.clone() for k, v in self.errors.items()},
+                "qs": {k: v.clone() for k, v in self.qs.items()}, "calls": dict(self.calls)}
+
+    def load_state_dict(self, state):
+        self.errors = {k: v.clone() for k, v in state["errors"].items()}
+        self.qs = {k: v.clone() for k, v in state["qs"].items()}
+        self.calls = dict(state["calls"])
 
     def start(self, flat, bucket, group):
         ws = dist.get_world_size(group)
-        b = bucket.index
-        self.calls[b] = self.calls.get(b, 0) + 1
-        if self.calls[b] <= self.warmup_steps:
+        key = bucket.names[0]
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if self.calls[key] <= self.warmup_steps:
             return AllReduce().start(flat, bucket, group)
-        low_rank = [i for i, p in enumerate(bucket.params) if self._compress(p)]
-        full = [i for i, p in enumerate(bucket.params) if not self._compress(p)]
-        if b not in self.errors:
-            self.errors[b] = torch.zeros_like(flat)
-            g = torch.Generator().manual_seed(self.seed + b)  # the same Q on every rank
-            self.qs[b] = [torch.randn(bucket.params[i].numel() // bucket.params[i].shape[0], self.rank,
-                                      generator=g).to(flat) for i in low_rank]
-        flat.add_(self.errors[b])                          # M = gradient + what last step missed
+        low_rank = [i for i, p in enumerate(bucket.params) if self.compresses(p)]
+        full = [i for i, p in enumerate(bucket.params) if not self.compresses(p)]
         mats = [bucket.view(i).reshape(bucket.params[i].shape[0], -1) for i in low_rank]  # views of flat
+        for i, m in zip(low_rank, mats):
+            name = bucket.names[i]
+            if name not in self.errors:
+                self.errors[name] = torch.zeros_like(m)
+                g = torch.Generator().manual_seed(self.seed + zlib.crc32(name.encode()))  # the same Q on every rank
+                self.qs[name] = torch.randn(m.shape[1], self._rank_for(bucket.params[i]), generator=g).to(m)
+            m.add_(self.errors[name])                      # M = gradient + what last step missed
         vecs = [bucket.view(i) for i in full]
-        ps = [m @ q for m, q in zip(mats, self.qs[b])]
+        ps = [m @ self.qs[bucket.names[i]] for i, m in zip(low_rank, mats)]
         # one message: the P factors (summed; only their span matters) and the rest (averaged)
         msg = torch.cat([p.reshape(-1) for p in ps] + [v.reshape(-1) / ws for v in vecs])
         work = dist.all_reduce(msg, group=group, async_op=True)
@@ -255,11 +354,12 @@ class PowerSGD:
             qmsg = torch.cat([q.reshape(-1) for q in qs])
             dist.all_reduce(qmsg, group=group)             # second round, blocking
             qmsg.div_(ws)
-            for j, (i, m, p, q) in enumerate(zip(low_rank, mats, ps_avg, qmsg.split([q.numel() for q in qs]))):
-                q = q.view(m.shape[1], self.rank)
-                self.qs[b][j] = q.clone()                  # warm start for the next step
+            for i, m, p, q in zip(low_rank, mats, ps_avg, qmsg.split([q.numel() for q in qs])):
+                name = bucket.names[i]
+                q = q.view(m.shape[1], -1)
+                self.qs[name] = q.clone()                  # warm start for the next step
                 approx = p @ q.t()                         # the same on every rank
-                self.errors[b][bucket.offsets[i]:bucket.offsets[i] + m.numel()].copy_((m - approx).reshape(-1))
+                self.errors[name] = m - approx
                 m.copy_(approx)
         return work, then
 

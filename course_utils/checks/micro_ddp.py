@@ -8,6 +8,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from course_utils import micro_ddp as ref
 
@@ -36,6 +37,11 @@ def _first_problem(checks):
     return None
 
 
+def _raised(what, exc):
+    """A problem sentence for an exception raised by the learner's code."""
+    return f"{what} raised {type(exc).__name__}: {exc}"
+
+
 # -- piece 1: the broadcast ---------------------------------------------------------------------
 
 def check_broadcast_state(broadcast_state):
@@ -46,15 +52,19 @@ def check_broadcast_state(broadcast_state):
     model.register_buffer("steps", torch.full((3,), float(dist.get_rank())))
     want = make_model(seed=100)
     want.register_buffer("steps", torch.zeros(3))
-    broadcast_state(model)
     problem = None
+    try:
+        broadcast_state(model)
+    except Exception as exc:  # noqa: BLE001 (the learner's code: any error becomes the verdict)
+        problem = _raised("broadcast_state", exc)
     for (name, got), exp in zip([*model.named_parameters(), *model.named_buffers()],
                                 [*want.parameters(), *want.buffers()]):
+        if problem:
+            break
         if not torch.equal(got, exp):
             kind = "buffer" if name == "steps" else "parameter"
             problem = (f"after broadcast_state, {kind} {name!r} differs from rank 0's. Broadcast every parameter "
                        "AND every buffer (module.buffers()) from rank 0, in place (dist.broadcast(t, src=0)).")
-            break
     _verdict(problem)
     if dist.get_rank() == 0:
         print("check_broadcast_state: every parameter and buffer now equals rank 0's.")
@@ -63,23 +73,40 @@ def check_broadcast_state(broadcast_state):
 # -- piece 2: the bucket assignment -------------------------------------------------------------
 
 def check_assign_buckets(assign_buckets):
-    """``assign_buckets(params, bucket_cap_mb)`` -> lists of indices, in reverse order, closing at the cap."""
+    """``assign_buckets(params, bucket_cap_mb, order=None)`` -> lists of indices: walking ``order`` (by default
+    the reverse of registration order), a bucket closing as soon as it holds at least the cap."""
     mb = 1024 * 1024
     params = [torch.zeros(1000), torch.zeros(10), torch.zeros(1000), torch.zeros(10)]  # 4000, 40, 4000, 40 bytes
-    cases = [(4000 / mb, "a cap of 4000 bytes"), (1e-9, "a tiny cap"), (25, "the default 25 MiB"),
-             (8040 / mb, "a cap of 8040 bytes")]
+    cases = [(4000 / mb, None, "a cap of 4000 bytes"), (1e-9, None, "a tiny cap"), (25, None, "the default 25 MiB"),
+             (8040 / mb, None, "a cap of 8040 bytes"), (4000 / mb, [1, 0, 3, 2], "order=[1, 0, 3, 2], a 4000-byte cap"),
+             (8040 / mb, [0, 2, 1, 3], "order=[0, 2, 1, 3], an 8040-byte cap")]
     problem = None
-    for cap, what in cases:
-        want = ref.assign_buckets(params, cap)
-        got = assign_buckets(params, cap)
-        got = [list(map(int, b)) for b in got]
+    for cap, order, what in cases:
+        want = ref.assign_buckets(params, cap, order)
+        try:
+            got = assign_buckets(params, cap) if order is None else assign_buckets(params, cap, order)
+            got = [list(map(int, b)) for b in got]
+        except TypeError as exc:
+            if order is not None and ("order" in str(exc) or "positional" in str(exc)):
+                problem = (f"assign_buckets(params, cap, order) raised TypeError: {exc}. Give it a third parameter "
+                           "order=None: the order to walk the parameters in (None: reverse registration order).")
+            else:
+                problem = _raised("assign_buckets", exc)
+            break
+        except Exception as exc:  # noqa: BLE001
+            problem = _raised("assign_buckets", exc)
+            break
         flat = sorted(i for b in got for i in b)
         if flat != list(range(len(params))):
             problem = (f"with {what}, the buckets {got} do not hold every parameter exactly once. "
                        "Each parameter index 0..3 must be in exactly one bucket.")
-        elif got and got[0] and got[0][0] == 0 and want[0][0] != 0:
-            problem = (f"with {what}, you got {got}: the first bucket starts with parameter 0. Walk the "
-                       "parameters in REVERSE: backward produces the last layer's gradient first.")
+        elif order is None and got and got[0] and got[0][0] == 0 and want[0][0] != 0:
+            problem = (f"with {what}, you got {got}: the first bucket starts with parameter 0. Without an order, "
+                       "walk the parameters in REVERSE: before the first backward that is the best guess of the "
+                       "order backward produces them (the last layer's gradient first).")
+        elif order is not None and [i for b in got for i in b] != order:
+            problem = (f"with {what}, you got {got}: walk the parameters in the given order (the order their "
+                       "gradients became ready), so that a bucket fills as early as possible.")
         elif got != want:
             problem = (f"with {what} (sizes 4000, 40, 4000, 40 bytes), expected {want}, got {got}. A bucket "
                        "closes as soon as it holds at least the cap (so it may overflow by one parameter).")
@@ -87,7 +114,8 @@ def check_assign_buckets(assign_buckets):
             break
     _verdict(problem)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print("check_assign_buckets: reverse order, closing at the cap: as torch DDP does.")
+        print("check_assign_buckets: reverse registration order by default, the given order otherwise, "
+              "closing at the cap.")
 
 
 # -- piece 3: one bucket's asynchronous all-reduce ----------------------------------------------
@@ -97,9 +125,14 @@ def check_start_allreduce(start_allreduce):
     ws, rank = dist.get_world_size(), dist.get_rank()
     flat = torch.arange(6, dtype=torch.float32) * (rank + 1)
     want = torch.arange(6, dtype=torch.float32) * sum(r + 1 for r in range(ws)) / ws
-    work = start_allreduce(flat)
     problem = None
-    if work is None or not hasattr(work, "wait"):
+    try:
+        work = start_allreduce(flat)
+    except Exception as exc:  # noqa: BLE001
+        problem, work = _raised("start_allreduce", exc), False
+    if problem:
+        pass
+    elif work is None or not hasattr(work, "wait"):
         problem = ("start_allreduce returned no Work: call dist.all_reduce(flat, async_op=True) and return what it "
                    "returns, so backward goes on while the bucket travels.")
         dist.barrier()  # the collective (if any) ran synchronously; keep the ranks in step
@@ -116,6 +149,36 @@ def check_start_allreduce(start_allreduce):
 
 # -- piece 4: the whole class against torch DDP --------------------------------------------------
 
+class _Tied(nn.Module):
+    """``mid2`` shares its weight with ``mid`` (one Parameter, used twice in forward)."""
+
+    def __init__(self, d_in=16, d=32):
+        super().__init__()
+        self.enc, self.mid, self.mid2, self.out = nn.Linear(d_in, d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 1)
+        self.mid2.weight = self.mid.weight
+
+    def forward(self, x):
+        return self.out(torch.relu(self.mid2(torch.relu(self.mid(torch.relu(self.enc(x)))))))
+
+
+def _make(kind, seed):
+    """The models check_micro_ddp trains: the same weights for the same seed."""
+    from course_utils.models import Reordered, make_model
+
+    if kind == "mlp":
+        return make_model(seed=seed)
+    torch.manual_seed(seed)
+    if kind == "reordered":
+        return Reordered(d_in=16, d_hidden=32, n_blocks=2)
+    if kind == "tied":
+        return _Tied()
+    if kind == "frozen":
+        model = make_model(seed=seed)
+        model.net[0].bias.requires_grad_(False)
+        return model
+    raise ValueError(kind)
+
+
 def _diagnose(name, got, want, local, ws):
     err = (got - want).abs().max().item()
     hint = ""
@@ -124,26 +187,69 @@ def _diagnose(name, got, want, local, ws):
     elif torch.allclose(got, local, rtol=1e-5, atol=1e-7):
         hint = (" It equals this rank's local gradient: no averaging happened (did the hooks launch the bucket, "
                 "and did you wait and copy the result back into .grad before backward() returned?).")
+    elif err < 1e-2 * want.abs().max().item():
+        hint = (" That is close, but more than float32 rounding: is something travelling in 16 bits? "
+                "Send fp32 here (compression comes later).")
     return f"{name}.grad differs from torch DDP's by {err:.2e} (tolerance {TOL:g}).{hint}"
 
 
-def _compare(make, case, bucket_cap_mb, accum_steps, steps=3):
+@contextlib.contextmanager
+def _spy_all_reduce(log):
+    """Append ("all_reduce", async_op) to ``log`` at each dist.all_reduce call."""
+    import torch.distributed.distributed_c10d as c10d
+
+    original = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        log.append(("all_reduce", bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = c10d.all_reduce = spy
+    try:
+        yield
+    finally:
+        dist.all_reduce = c10d.all_reduce = original
+
+
+def _overlap_problem(case, log, n_params):
+    """None if an async all-reduce started while backward still had a gradient to compute."""
+    seen, early, blocking = 0, [], []
+    for what, async_op in log:
+        if what == "grad":
+            seen += 1
+        elif seen < n_params - 1:  # at least one gradient still to come after this launch
+            (early if async_op else blocking).append(seen)
+    if early:
+        return None
+    if blocking:
+        return (f"{case}: the gradients are numerically right, but the all-reduces started during backward block it "
+                "(async_op=False), so nothing overlaps. Start them with async_op=True and wait at the end of backward.")
+    return (f"{case}: the gradients are numerically right, but no all-reduce started before backward had computed "
+            "(nearly) every gradient, so communication does not overlap backward. Launch a bucket's all-reduce "
+            "(async_op=True) from the gradient hooks as soon as the bucket is full, not after backward.")
+
+
+def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overlap=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from course_utils.data import make_regression
-    from course_utils.models import make_model
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    theirs = make(make_model(seed=7 if rank == 0 else 50 + rank), bucket_cap_mb)
-    torch_ddp = DDP(make_model(seed=7), bucket_cap_mb=bucket_cap_mb)
+    try:
+        theirs = make(_make(kind, seed=7 if rank == 0 else 50 + rank), bucket_cap_mb)
+    except Exception as exc:  # noqa: BLE001
+        return f"{case}: " + _raised("constructing your wrapper", exc)
+    torch_ddp = DDP(_make(kind, seed=7), bucket_cap_mb=bucket_cap_mb)
     for (name, p), q in zip(theirs.module.named_parameters(), torch_ddp.module.parameters()):
         if not torch.equal(p, q):
             return (f"{case}: right after construction, parameter {name!r} differs from rank 0's. "
-                    "Broadcast rank 0's parameters and buffers in __init__.")
-    local = make_model(seed=7)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (theirs, torch_ddp, local)]
+                    "Broadcast rank 0's parameters (frozen ones too) and buffers in __init__.")
+    local = _make(kind, seed=7)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+            for m in (theirs, torch_ddp, local)]
     x, y = make_regression(n=16 * ws * accum_steps * steps, seed=3)
     micro = 16
+    trainable = [p for p in theirs.module.parameters() if p.requires_grad]
     for step in range(steps):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
@@ -152,9 +258,30 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3):
             xb, yb = x[i:i + micro], y[i:i + micro]
             for m in (theirs, torch_ddp, local):
                 sync = k == accum_steps - 1 or m is local
-                with (contextlib.nullcontext() if sync else m.no_sync()):
-                    torch.nn.functional.mse_loss(m(xb), yb).div(accum_steps).backward()
+                watch = overlap and m is theirs and sync and step == steps - 1
+                log, handles = [], []
+                if watch:
+                    handles = [p.register_post_accumulate_grad_hook(lambda p: log.append(("grad", None)))
+                               for p in trainable]
+                try:
+                    with (_spy_all_reduce(log) if watch else contextlib.nullcontext()):
+                        with (contextlib.nullcontext() if sync else m.no_sync()):
+                            torch.nn.functional.mse_loss(m(xb), yb).div(accum_steps).backward()
+                except Exception as exc:  # noqa: BLE001
+                    if m is theirs:
+                        return f"{case}, step {step}: " + _raised("a forward/backward through your wrapper", exc)
+                    raise
+                finally:
+                    for h in handles:
+                        h.remove()
+                if watch:
+                    watched = log
         for (name, p), q, l in zip(theirs.module.named_parameters(), torch_ddp.module.parameters(), local.parameters()):
+            if q.grad is None:
+                if p.grad is not None:
+                    return (f"{case}, step {step}: {name} is frozen (requires_grad=False) but has a .grad: leave "
+                            "frozen parameters out of the buckets and the hooks.")
+                continue
             if p.grad is None:
                 return f"{case}, step {step}: {name}.grad is None after backward."
             if not torch.allclose(p.grad, q.grad, rtol=0, atol=TOL):
@@ -162,18 +289,30 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3):
         for opt in opts:
             opt.step()
         local.load_state_dict(torch_ddp.module.state_dict())  # the local grad is the same step's, per rank
+    if overlap:
+        return _overlap_problem(case, watched, len(trainable))
     return None
+
+
+CASES = [("25 MiB buckets", 25, 1, "mlp", False),
+         ("one bucket per parameter", 1e-9, 1, "mlp", True),
+         ("no_sync accumulation over 3 micro-batches", 1e-9, 3, "mlp", False),
+         ("a model whose forward uses its layers in another order than registered", 1e-9, 1, "reordered", False),
+         ("a model with a tied (shared) weight", 1e-9, 1, "tied", False),
+         ("a model with a frozen parameter", 1e-9, 1, "frozen", False)]
 
 
 def check_micro_ddp(make):
     """``make(module, bucket_cap_mb)`` -> your DDP wrapper. Compared with torch DDP over SGD-with-momentum
-    steps: default buckets, one bucket per parameter, and 3-step accumulation with no_sync()."""
-    cases = [("25 MiB buckets", 25, 1), ("one bucket per parameter", 1e-9, 1),
-             ("no_sync accumulation over 3 micro-batches", 1e-9, 3)]
-    problem = _first_problem([lambda c=c: _compare(make, *c) for c in cases])
+    steps: default buckets, one bucket per parameter (where it must also overlap: an all-reduce started
+    while backward still computes gradients), 3-step accumulation with no_sync(), a model used in another
+    order than registered, a tied weight, and a frozen parameter."""
+    problem = _first_problem([lambda c=c: _compare(make, c[0], c[1], c[2], kind=c[3], overlap=c[4]) for c in CASES])
     _verdict(problem)
     if dist.get_rank() == 0:
-        print(f"check_micro_ddp: matches torch DDP within {TOL:g} ({'; '.join(c[0] for c in cases)}).")
+        print(f"check_micro_ddp: matches torch DDP within {TOL:g} on {len(CASES)} cases (default buckets; one bucket "
+              "per parameter, overlapping backward; no_sync accumulation; layers used out of registration order; "
+              "a tied weight; a frozen parameter).")
 
 
 # -- exercise: a compressor -----------------------------------------------------------------------
@@ -205,24 +344,39 @@ def check_compressor(compressor, max_rel_error=1e-2):
     x, y = make_regression(n=32 * ws, seed=5)
     xb, yb = x[rank * 32:(rank + 1) * 32], y[rank * 32:(rank + 1) * 32]
     model = ref.MicroDDP(make_model(seed=1), compressor=compressor)
+    problem = None
     with _count_bytes() as sent:
-        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        try:
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+        except Exception as exc:  # noqa: BLE001 (the learner's code: any error becomes the verdict)
+            problem = _raised("your compressor", exc)
     exact = make_model(seed=1)
     torch.nn.functional.mse_loss(exact(xb), yb).backward()
     fp32_bytes = 4 * sum(p.numel() for p in exact.parameters())
-    problem = None
     for (name, p), q in zip(model.module.named_parameters(), exact.parameters()):
+        if problem:
+            break
         avg = q.grad.clone()
         dist.all_reduce(avg)
         avg /= ws
         rel = ((p.grad - avg).abs().max() / avg.abs().max()).item()
         if rel > max_rel_error:
-            problem = (f"{name}.grad is off the average by {rel:.1e} of its largest entry (allowed {max_rel_error:g}). "
-                       "Divide by world_size, and cast back to fp32 in the bucket after wait().")
+            scale = avg.abs().max()
+            if ((p.grad - avg * ws).abs().max() / scale).item() <= max(max_rel_error * ws, 1e-2):
+                why = "It is world_size x the average (the SUM): divide by world_size before the all-reduce."
+            elif ((p.grad - q.grad).abs().max() / scale).item() <= 1e-6:
+                why = ("It is this rank's own gradient: the reduced values never came back into flat. In the "
+                       "callable you return, copy them into flat (cast back to fp32), e.g. flat.copy_(low).")
+            else:
+                why = ("Divide by world_size before casting (fp16 overflows past 65504) and copy the reduced values "
+                       "back into flat after wait(); a tighter tolerance needs more bits on the wire.")
+            problem = (f"{name}.grad is off the average by {rel:.1e} of its largest entry "
+                       f"(allowed {max_rel_error:g}). {why}")
             break
     if problem is None and sum(sent) >= fp32_bytes:
-        problem = (f"the compressor sent {sum(sent)} bytes, as many as fp32 ({fp32_bytes}): multiplying by 0.5 "
-                   "compresses nothing. Change the dtype (fp16/bf16) or the representation (low rank).")
+        problem = (f"the compressor sent {sum(sent)} bytes, as many as fp32 ({fp32_bytes}): the values still travel "
+                   "as 32-bit floats (scaling them, by 0.5 or anything else, changes no byte). Change the dtype "
+                   "(fp16/bf16) or the representation (low rank).")
     _verdict(problem)
     if rank == 0:
         print(f"check_compressor: average within {max_rel_error:g}; {sum(sent)} bytes sent instead of {fp32_bytes}.")
