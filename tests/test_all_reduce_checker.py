@@ -14,11 +14,23 @@ from course_utils import Cluster
 from course_utils.allreduce import chunked_ring_all_reduce, count_sent_bytes, naive_all_reduce, ring_all_reduce
 from course_utils.checks import check_all_reduce
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test file
+try:  # the ranks cannot import this test file: send its functions by value
+    from conftest import register_by_value
+except ImportError:  # an older conftest without the helper
+    register_by_value = cloudpickle.register_pickle_by_value
+register_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
-def clusters():
+def clusters(request):
+    """Gloo clusters of 2, 3 and 4 ranks for this module (conftest's make_cluster when it exists)."""
+    try:
+        make = request.getfixturevalue("make_cluster")
+    except pytest.FixtureLookupError:
+        make = None
+    if make is not None:
+        yield {n: make(world_size=n) for n in (2, 3, 4)}
+        return
     made = {n: Cluster(world_size=n, backend="gloo", timeout=30) for n in (2, 3, 4)}
     yield made
     for c in made.values():
@@ -90,10 +102,112 @@ def deadlocking(tensor):
     dist.send(tensor, (rank + 1) % n)
 
 
+def ring_in_bf16(tensor):
+    """A near miss: the chunked ring, but every chunk travels and is added as bfloat16."""
+    low = tensor.to(torch.bfloat16)
+    chunked_ring_all_reduce(low)
+    tensor.copy_(low.to(tensor.dtype))
+
+
+def ring_plus_a_broadcast(tensor):
+    """Correct, but after the chunked ring rank 0 also sends the whole tensor to everyone once more."""
+    chunked_ring_all_reduce(tensor)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        for dst in range(1, n):
+            dist.send(tensor, dst=dst)
+    else:
+        dist.recv(tensor, src=0)
+
+
+def reversed_order_sum(tensor):
+    """Correct: gathers every rank's chunk and adds in a different order. Rounding differs, but stays
+    within what n additions in the dtype allow, and it sends 2(n-1) chunks like the chunked ring."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.view(-1).tensor_split(n)
+    mine = chunks[rank]
+    pieces = {rank: mine.clone()}
+    reqs = []
+    for r in range(n):                                # everyone sends me its copy of my chunk
+        if r != rank and chunks[r].numel():
+            reqs.append(dist.isend(chunks[r], r))
+    for r in range(n):
+        if r != rank:
+            buf = torch.empty_like(mine)
+            if buf.numel():
+                dist.recv(buf, r)
+            pieces[r] = buf
+    for q in reqs:
+        q.wait()
+    total = torch.zeros_like(mine)
+    for r in reversed(range(n)):                      # a different order of additions
+        total += pieces[r]
+    mine.copy_(total)
+    reqs = [dist.isend(mine, r) for r in range(n) if r != rank and mine.numel()]
+    for r in range(n):
+        if r != rank and chunks[r].numel():
+            buf = torch.empty_like(chunks[r])
+            dist.recv(buf, r)
+            chunks[r].copy_(buf)
+    for q in reqs:
+        q.wait()
+
+
+def batched_chunked_ring(tensor):
+    """The chunked ring with batch_isend_irecv for each exchange: bytes are counted through isend."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    left, right = (rank - 1) % n, (rank + 1) % n
+    chunks = tensor.view(-1).tensor_split(n)
+    for phase in ("reduce-scatter", "all-gather"):
+        for s in range(n - 1):
+            if phase == "reduce-scatter":
+                out, into = chunks[(rank - s) % n], chunks[(rank - s - 1) % n]
+            else:
+                out, into = chunks[(rank + 1 - s) % n], chunks[(rank - s) % n]
+            buf = torch.empty_like(into)
+            ops = ([dist.P2POp(dist.isend, out, right)] if out.numel() else []) + \
+                  ([dist.P2POp(dist.irecv, buf, left)] if into.numel() else [])
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            if phase == "reduce-scatter":
+                into += buf
+            else:
+                into.copy_(buf)
+
+
 # -- the checker passes correct implementations ------------------------------------------------
-@pytest.mark.parametrize("impl", [chunked_ring_all_reduce, ring_all_reduce, naive_all_reduce])
-def test_passes_correct_implementations(clusters, impl):
+@pytest.mark.parametrize("impl", [chunked_ring_all_reduce, batched_chunked_ring, reversed_order_sum])
+def test_passes_bandwidth_optimal_implementations(clusters, impl):
     check_all_reduce(impl, clusters=clusters)  # raises AssertionError if it wrongly rejects
+
+
+@pytest.mark.parametrize("impl", [chunked_ring_all_reduce, ring_all_reduce, naive_all_reduce, ring_plus_a_broadcast])
+def test_bandwidth_optimal_false_passes_any_correct_all_reduce(clusters, impl):
+    check_all_reduce(impl, bandwidth_optimal=False, clusters=clusters)
+
+
+@pytest.mark.parametrize("impl, words", [
+    (ring_all_reduce, ["right sum", "not bandwidth-optimal", "on 3 ranks", "2.00 x S", "ranks 0, 1, 2 all sent",
+                       "tensor_split",
+                       "bandwidth_optimal=False"]),
+    (naive_all_reduce, ["not bandwidth-optimal", "rank 0 sent", "2.00 x S", "at most 64 bytes"]),
+    (ring_plus_a_broadcast, ["not bandwidth-optimal", "rank 0 sent"]),
+])
+def test_rejects_correct_but_wasteful_all_reduces(clusters, impl, words):
+    with pytest.raises(AssertionError) as info:
+        check_all_reduce(impl, clusters=clusters)
+    message = str(info.value)
+    for w in words:
+        assert w in message, f"the checker's message for {impl.__name__} should mention {w!r}; it was:\n{message}"
+
+
+def test_near_miss_in_bf16_is_rejected_with_the_reason(clusters):
+    with pytest.raises(AssertionError) as info:
+        check_all_reduce(ring_in_bf16, clusters=clusters)
+    message = str(info.value)
+    for w in ("close to the sum but not exact", "bfloat16", "float32", "dtype"):
+        assert w in message, f"the message should mention {w!r}; it was:\n{message}"
 
 
 @pytest.mark.parametrize("impl, words", [
@@ -160,3 +274,52 @@ def test_count_sent_bytes_restores_send(clusters):
             pass
         return (d.send, d.isend) == before
     assert clusters[2].run(probe) == [True, True], "count_sent_bytes must put dist.send/isend back"
+
+
+# -- a failing check shows the learner's line and the verdict, not the checker's frames --------
+def test_failing_check_in_ipython_shows_the_verdict_not_the_checker(clusters):
+    """The notebooks' import form goes through course_utils.checks' wrapper; IPython's own traceback
+    (as JupyterLab renders it) shows the learner's line and the verdict, and no line of the checkers."""
+    import re
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import course_utils.checks as checks
+
+    shell = InteractiveShell.instance(colors="nocolor")
+    shown = []
+    shell._showtraceback = lambda etype, evalue, stb: shown.append("\n".join(stb))
+    shell.user_ns.update(clusters={2: clusters[2]}, using_the_collective=using_the_collective)
+    cell = ("from course_utils.checks import check_all_reduce\n"
+            "check_all_reduce(using_the_collective, clusters=clusters, world_sizes=(2,))  # the learner's line\n")
+    result = shell.run_cell(cell)
+    assert isinstance(result.error_in_exec, AssertionError), result.error_in_exec
+    assert shell.user_ns["check_all_reduce"] is checks.check_all_reduce, "one wrapped object per checker"
+    assert getattr(shell.user_ns["check_all_reduce"], "_verdict_only", False), "the import went around the wrapper"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", shown[-1])
+    assert "the learner's line" in text, text
+    assert "point-to-point" in text and "AssertionError" in text, text
+    assert "course_utils/checks" not in text and "course_utils\\checks" not in text, (
+        f"the checker's frames should be hidden:\n{text}")
+    assert "_diagnose" not in text and "raise AssertionError" not in text, text
+
+
+def test_wrapper_keeps_other_errors_and_passes_results():
+    """Only verdicts (AssertionError) lose their frames; a misuse or a bug keeps its traceback."""
+    from course_utils.checks import verdict_only
+
+    def misuse():
+        raise TypeError("takes a function")
+
+    with pytest.raises(TypeError) as info:
+        verdict_only(misuse)()
+    assert info.traceback[-1].name == "misuse"
+    assert verdict_only(lambda x: x + 1)(1) == 2
+
+    def verdict():
+        raise AssertionError("plain words") from ValueError("inside")
+
+    with pytest.raises(AssertionError) as info:
+        verdict_only(verdict)()
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert all(entry.name != "verdict" for entry in info.traceback), "the checker's frame should be cut"

@@ -5,19 +5,98 @@
 - ``check_comm_hook`` (08_comm_hooks), in ``checks.comm_hook``
 - ``check_broadcast_state``, ``check_assign_buckets``, ``check_start_allreduce``, ``check_micro_ddp``,
   ``check_compressor`` (11_capstone_micro_ddp), in ``checks.micro_ddp``
+- the checkers of 12_zero_fsdp, in ``checks.zero``
 
 They raise ``AssertionError`` with an explanation, and return quietly when the code is right.
+
+Import them from here, as the notebooks do (``from course_utils.checks import check_all_reduce``):
+the checker you get is wrapped so that a failing check shows the learner's own line and the
+verdict, not the checker's insides. The wrapper re-raises the ``AssertionError`` with the
+checker's frames cut, from a frame marked ``__tracebackhide__`` (IPython and pytest hide such
+frames). Importing from the submodule gives the unwrapped function.
 """
+import functools
+
+MODULES = ("all_reduce", "comm_hook", "grad_avg", "micro_ddp", "zero")
+
+_WRAPPED = {}  # name -> wrapped checker, so every import returns the same object
+
+
+def verdict_only(checker):
+    """Wrap ``checker`` so a failing check's traceback ends at the caller's line, then the verdict.
+
+    An ``AssertionError`` raised anywhere inside the checker is re-raised here with its traceback
+    cleared (so none of ``course_utils/checks/*.py`` is shown) and without its chained context.
+    Other exceptions (a bug in the checker, a ``TypeError`` for a misuse) keep their frames.
+    """
+    @functools.wraps(checker)
+    def check(*args, **kwargs):
+        __tracebackhide__ = True  # noqa: F841 (read by IPython and pytest)
+        try:
+            return checker(*args, **kwargs)
+        except AssertionError as exc:
+            verdict = exc
+        verdict.__traceback__ = None
+        verdict.__cause__ = None
+        verdict.__suppress_context__ = True
+        verdict._render_traceback_ = functools.partial(_render_verdict, verdict)   # how IPython shows it
+        raise verdict
+
+    check.__wrapped__ = checker
+    check._verdict_only = True
+    return check
+
+
+def _shown_frames(tb):
+    """The traceback without IPython's own frames and without frames marked ``__tracebackhide__``."""
+    import types
+
+    kept = []
+    while tb is not None:
+        frame = tb.tb_frame
+        module = frame.f_globals.get("__name__", "") or ""
+        hidden = frame.f_locals.get("__tracebackhide__", False)
+        if not hidden and not module.startswith(("IPython.", "ipykernel.", "course_utils.checks")):
+            kept.append((frame, tb.tb_lasti, tb.tb_lineno))
+        tb = tb.tb_next
+    new = None
+    for frame, lasti, lineno in reversed(kept):
+        new = types.TracebackType(new, frame, lasti, lineno)
+    return new
+
+
+def _render_verdict(verdict):
+    """IPython calls this (``_render_traceback_``) to show the error: the caller's lines, then the verdict,
+    formatted by IPython itself; IPython's last frame would otherwise be the wrapper's ``raise``."""
+    import traceback
+
+    tb = _shown_frames(verdict.__traceback__)
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            return shell.InteractiveTB.structured_traceback(type(verdict), verdict, tb, tb_offset=0)
+    except Exception:  # no IPython, or a formatter that differs: plain Python formatting below
+        pass
+    return "".join(traceback.format_exception(type(verdict), verdict, tb)).rstrip().splitlines()
 
 
 def __getattr__(name):  # import a checker's module only when it is used
     import importlib
 
-    for module in ("all_reduce", "comm_hook", "grad_avg", "micro_ddp"):
+    if name in _WRAPPED:
+        return _WRAPPED[name]
+    for module in MODULES:
         try:
             mod = importlib.import_module(f"course_utils.checks.{module}")
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as exc:
+            if exc.name != f"course_utils.checks.{module}":
+                raise
             continue
         if hasattr(mod, name):
-            return getattr(mod, name)
+            value = getattr(mod, name)
+            if name.startswith("check_") and callable(value):
+                value = _WRAPPED[name] = verdict_only(value)
+            return value
     raise AttributeError(f"course_utils.checks has no checker {name!r}")

@@ -11,10 +11,16 @@ The checker runs it on 2, 3 and 4 ranks (one ``Cluster`` per world size, kept an
 calls), on float32, float64, int64 and bfloat16 tensors whose lengths are mostly not divisible by
 the world size, and compares every rank's result with the exact sum, allowing the rounding error
 of n additions in the tensor's dtype (none for integers).
+
+By default (``bandwidth_optimal=True``) it also counts the bytes each rank hands to ``dist.send`` and
+``dist.isend`` (``batch_isend_irecv`` goes through ``isend``). The chunked ring sends 2(n-1) chunks of
+at most ceil(numel / n) elements; a correct all-reduce that sends more than that (the naive
+reduce-and-broadcast, the whole-tensor ring) is rejected as correct but not bandwidth-optimal, with
+what it sent. ``bandwidth_optimal=False`` accepts any correct all-reduce.
 """
 import torch
 
-__all__ = ["check_all_reduce", "cluster", "close_clusters", "CASES"]
+__all__ = ["check_all_reduce", "send_bound", "cluster", "close_clusters", "CASES"]
 
 # (dtype, shape): the first case is the easy one, so basic mistakes show on it
 CASES = (
@@ -67,6 +73,7 @@ def close_clusters():
 # -- on the ranks -------------------------------------------------------------------------------
 _CALLED = []     # collectives the implementation called during the current case
 _SAVED = {}      # (module, name) -> the original function, while the guard is installed
+_SENT = {"bytes": 0, "messages": 0, "depth": 0}   # what this rank handed to send/isend in the current case
 
 
 def _install_guard():
@@ -89,6 +96,24 @@ def _install_guard():
             if getattr(module, name, None) is original:
                 _SAVED[(module, name)] = original
                 setattr(module, name, recorder)
+    for name in ("send", "isend"):   # count the bytes; the same wrapper in dist and c10d, as P2POp expects
+        original = getattr(c10d, name)
+
+        def counter(tensor, *args, _original=original, **kwargs):
+            if _SENT["depth"] == 0:       # dist.send may call isend inside: count the outer call only
+                _SENT["bytes"] += tensor.numel() * tensor.element_size()
+                _SENT["messages"] += 1
+            _SENT["depth"] += 1
+            try:
+                return _original(tensor, *args, **kwargs)
+            finally:
+                _SENT["depth"] -= 1
+
+        counter.__name__ = name
+        for module in (dist, c10d):
+            if getattr(module, name, None) is original:
+                _SAVED[(module, name)] = original
+                setattr(module, name, counter)
 
 
 def _remove_guard():
@@ -109,12 +134,14 @@ def _run_case(impl, case_index, dtype, shape):
         tensor = torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
     given = tensor.clone()
     _CALLED.clear()
+    _SENT.update(bytes=0, messages=0, depth=0)
     returned = impl(tensor)
     called = list(dict.fromkeys(_CALLED))
     _CALLED.clear()
     if not isinstance(returned, torch.Tensor) or returned.shape != tensor.shape:
         returned = None
-    return {"given": given, "result": tensor, "returned": returned, "collectives": called}
+    return {"given": given, "result": tensor, "returned": returned, "collectives": called,
+            "sent_bytes": _SENT["bytes"], "messages": _SENT["messages"]}
 
 
 # -- in the notebook ----------------------------------------------------------------------------
@@ -180,6 +207,17 @@ def _diagnose(impl, outs, case, world_size):
                 f"{numel} is not divisible by {n}, and the left-over elements were never reduced: "
                 f"chunks of numel // world_size = {numel // n} elements drop the remainder. Let some "
                 "chunks be one element longer (tensor.tensor_split(world_size) does that).")
+    if dtype in (torch.float32, torch.float64):   # right only to the precision of a smaller float type?
+        for low in (torch.bfloat16, torch.float16):
+            low_bound = 2 * n * torch.finfo(low).eps * sum(g.abs() for g in given) + 1e-30
+            if all(_close(o["result"], expected, low_bound) for o in outs):
+                low_name = str(low).replace("torch.", "")
+                err = max(float((o["result"].double() - expected).abs().max()) for o in outs)
+                return (f"the results are close to the sum but not exact {what}: they are off by up to "
+                        f"{err:.3g}, the rounding error of {low_name}, far more than {n} additions in "
+                        f"{str(dtype).replace('torch.', '')} make. Somewhere the data passes through a "
+                        f"{low_name} tensor (a buffer made with the wrong dtype, or a .to()/.half()/.bfloat16()): "
+                        "add and send in the tensor's own dtype (torch.empty_like(chunk) keeps it).")
     r = wrong[0]
     flat_res = outs[r]["result"].reshape(-1).double()
     flat_exp = expected.reshape(-1)
@@ -195,12 +233,49 @@ def _ranks(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def check_all_reduce(impl, *, clusters=None, world_sizes=WORLD_SIZES, timeout=20):
+def send_bound(numel, world_size, element_size):
+    """The most bytes one rank of a chunked ring may send: 2(n-1) chunks of at most ceil(numel / n) elements.
+
+    Introduced in 03_all_reduce_by_hand. Equal to 2(n-1)/n x S when n divides numel; with uneven
+    chunks (``tensor_split``: lengths differ by one) the longest chunk sets the bound.
+    """
+    n = world_size
+    return 2 * (n - 1) * -(-numel // n) * element_size
+
+
+def _too_many_bytes(impl, outs, case, world_size):
+    """Why a correct all-reduce is not bandwidth-optimal, or None if no rank sent more than the bound."""
+    dtype, shape = case
+    n = world_size
+    numel = outs[0]["given"].numel()
+    size = numel * outs[0]["given"].element_size()
+    bound = send_bound(numel, n, outs[0]["given"].element_size())
+    over = [r for r, o in enumerate(outs) if o["sent_bytes"] > bound]
+    if not over:
+        return None
+    r = max(over, key=lambda q: outs[q]["sent_bytes"])
+    sent, messages = outs[r]["sent_bytes"], outs[r]["messages"]
+    return (f"{_name(impl)} gives every rank the right sum, but it is not bandwidth-optimal: on {n} ranks with a "
+            f"{str(dtype).replace('torch.', '')} tensor of shape {tuple(shape)} (S = {size} bytes), rank {r} sent "
+            f"{sent} bytes ({sent / size:.2f} x S) in {messages} messages"
+            + (f" ({_ranks(over)} all sent too much)" if len(over) > 1 else "") +
+            f". A rank of the chunked ring sends at most {bound} bytes: 2(n-1) = {2 * (n - 1)} chunks of at most "
+            f"{-(-numel // n)} elements (2(n-1)/n x S = {2 * (n - 1) / n:.2f} x S when n divides the length). "
+            "Cut the tensor into n chunks "
+            "(tensor.view(-1).tensor_split(world_size)) and send one chunk per step: n-1 reduce-scatter steps, "
+            "then n-1 all-gather steps. (To check an all-reduce that is only meant to be correct, pass "
+            "bandwidth_optimal=False.)")
+
+
+def check_all_reduce(impl, *, bandwidth_optimal=True, clusters=None, world_sizes=WORLD_SIZES, timeout=20):
     """Run ``impl`` on 2, 3 and 4 ranks and raise AssertionError, in plain words, if any rank's result is wrong.
 
     Introduced in 03_all_reduce_by_hand. ``impl(tensor)`` must all-reduce with SUM, in place, with
-    point-to-point operations only. ``clusters`` ({world_size: Cluster}) lets you pass clusters you
-    already have; otherwise the checker starts one per world size and keeps it for the next call.
+    point-to-point operations only. With ``bandwidth_optimal=True`` (the default) no rank may send
+    more than the chunked ring does (:func:`send_bound`): a correct but wasteful all-reduce fails,
+    saying what it sent. ``bandwidth_optimal=False`` accepts any correct all-reduce.
+    ``clusters`` ({world_size: Cluster}) lets you pass clusters you already have; otherwise the
+    checker starts one per world size and keeps it for the next call.
     ``timeout`` (seconds) bounds each case: a deadlock becomes an AssertionError, not a hang.
     """
     __tracebackhide__ = True
@@ -230,6 +305,8 @@ def check_all_reduce(impl, *, clusters=None, world_sizes=WORLD_SIZES, timeout=20
                         f"{name} raised {exc.exc_type} on {_ranks(raised)} of {n} (shape {shape}): "
                         f"{exc.exc_message}") from None
                 reason = _diagnose(impl, outs, (dtype, shape), n)
+                if reason is None and bandwidth_optimal:
+                    reason = _too_many_bytes(impl, outs, (dtype, shape), n)
                 if reason:
                     raise AssertionError(reason)
         finally:
