@@ -23,7 +23,8 @@ Plain helpers, imported by test modules as ``from conftest import register_by_va
   ``retry_on_port_clash(launch)``, which re-runs ``launch(port)`` with a new port when the port was taken.
 - ``alive(pid_or_process)``: the process exists and is not a zombie (Linux /proc, else ``ps``).
 - ``children_of(pid)``: live child pids of ``pid`` (Linux /proc, else ``ps``).
-- ``start_torchrun(...)``, ``torchrun_env()``, ``finish(proc, what)``, ``kill_process_group(proc)``:
+- ``start_torchrun(...)``, ``torchrun_env()``, ``finish(proc, what)``, ``kill_process_group(proc)``,
+  ``wait_until_listening(proc, port, what)`` (start the other "nodes" only once node 0 hosts the store):
   torchrun in its own session (``start_new_session=True``), so that killing its process group also kills
   its ranks (killing the agent alone leaves them running). ``torchrun_env()`` hides GPUs
   (``CUDA_VISIBLE_DEVICES=""``) so scripts choose gloo on any machine, and binds gloo to loopback.
@@ -244,12 +245,61 @@ def finish(proc, what, timeout=240, check=True):
     except subprocess.TimeoutExpired:
         kill_process_group(proc)
         out, _ = proc.communicate()
-        raise AssertionError(f"{what} did not finish within {timeout} s:\n{(out or '')[-3000:]}")
+        raise AssertionError(f"{what} did not finish within {timeout} s:\n{(out or '')[-6000:]}")
     if proc.returncode != 0 and is_port_clash(out):
         raise PortClash(f"{what}: {out[-500:]}")
     if check:
-        assert proc.returncode == 0, f"{what} failed with exit code {proc.returncode}:\n{out[-3000:]}"
+        assert proc.returncode == 0, f"{what} failed with exit code {proc.returncode}:\n{out[-6000:]}"
     return out
+
+
+def _listens(proc, port):
+    """True if ``proc`` or one of its descendants has a listening TCP socket on ``port``."""
+    import psutil
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for p in tree:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in p.net_connections("tcp")):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
+def _anyone_listens(port):
+    import psutil
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in psutil.net_connections("tcp"))
+    except psutil.AccessDenied:  # macOS without root: cannot tell, keep waiting
+        return False
+
+
+def wait_until_listening(proc, port, what, timeout=120.0):
+    """Wait until ``proc`` (a torchrun hosting the rendezvous store) listens on ``port``: start the other nodes
+    only then, so that they join this store and not a stranger's. Raises ``PortClash`` when another process
+    holds the port (or ``proc`` failed on it), ``AssertionError`` when ``proc`` neither listens nor exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _listens(proc, port):
+            return
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            if is_port_clash(out):
+                raise PortClash(f"{what}: {out[-500:]}")
+            raise AssertionError(f"{what} exited with code {proc.returncode} before listening on port {port}:\n"
+                                 f"{out[-3000:]}")
+        if _anyone_listens(port) and not _listens(proc, port):
+            kill_process_group(proc)
+            raise PortClash(f"{what}: another process listens on port {port}")
+        time.sleep(0.1)
+    kill_process_group(proc)
+    raise AssertionError(f"{what} did not listen on port {port} within {timeout:.0f} s")
 
 
 @pytest.fixture
