@@ -17,7 +17,9 @@ optimal, so it is the number to compare with the hardware's ceiling.
 The alpha-beta (latency-bandwidth) model: sending a message of S bytes costs t = alpha + beta x S,
 alpha in seconds (latency), beta in seconds per byte (1 / bandwidth). ``fit_alpha_beta`` fits it.
 
-Saved measurements (``save_measurements`` / ``load_measurements``), a JSON object::
+Saved measurements (``save_measurements`` / ``load_measurements``), a JSON object, by default in
+``DEFAULT_PATH`` = ``$MICRO_DDP_CACHE`` or ``$XDG_CACHE_HOME/micro-ddp`` or ``~/.cache/micro-ddp``, then
+``bandwidth.json``: outside the repository, since the numbers belong to this machine::
 
     {
       "format": 1,
@@ -49,9 +51,17 @@ import torch
 
 __all__ = ["BUS_FACTORS", "bus_factor", "algbw", "busbw", "default_sizes", "iterations_for", "time_op",
            "sweep", "fit_alpha_beta", "memcpy_bandwidth", "format_size", "format_table",
-           "save_measurements", "load_measurements", "DEFAULT_PATH"]
+           "save_measurements", "load_measurements", "DEFAULT_PATH", "describe_race", "describe_busbw_spread",
+           "check_busbw", "check_bucket_times", "check_algbw_prediction"]
 
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "notebooks" / ".measurements" / "bandwidth.json"
+
+def _cache_dir():
+    if os.environ.get("MICRO_DDP_CACHE"):
+        return Path(os.environ["MICRO_DDP_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "micro-ddp"
+
+
+DEFAULT_PATH = _cache_dir() / "bandwidth.json"
 FORMAT = 1
 
 BUS_FACTORS = {
@@ -156,9 +166,11 @@ def sweep(fn, sizes=None, op="all_reduce", dtype=torch.float32, budget_bytes=32 
 def fit_alpha_beta(sizes, times):
     """Fit t = alpha + beta x S to measured (size in bytes, seconds) pairs; return (alpha, beta).
 
-    Introduced in 03_all_reduce_by_hand. Least squares on the RELATIVE error (weights 1/t^2), so the
+    Introduced in 03_all_reduce_by_hand; the one implementation of the fit (``costmodel`` builds on it).
+    Least squares on the RELATIVE error (weights 1/t^2), so the
     small sizes, where alpha shows, count as much as the large ones, where beta does. alpha is kept
-    >= 0 (a negative latency is noise): then beta alone is refitted.
+    >= 0 (a negative latency is noise): then beta alone is refitted. beta <= 0 (times that do not
+    grow with the size) is returned as fitted: the caller decides (``costmodel`` raises).
     """
     s = [float(x) for x in sizes]
     t = [float(x) for x in times]
@@ -242,3 +254,133 @@ def load_measurements(path=DEFAULT_PATH):
         raise ValueError(f"{path} has format {data.get('format')!r}, this course_utils reads format {FORMAT}: "
                          "run 04_measuring_bandwidth again to rewrite it")
     return data
+
+
+# -- sentences chosen from a measurement (04_measuring_bandwidth) ----------------------------------------
+# What these return depends on this machine's timings, so the notebook prints them after "Measured here:",
+# a prefix that tests/sanitize.cfg replaces: nbval checks that the cell runs, not what this machine measured.
+def describe_race(rows, ring_rows):
+    """Sentences comparing two sweeps of the same sizes (the library's all-reduce, the hand ring), from the data."""
+    if [r["bytes"] for r in rows] != [r["bytes"] for r in ring_rows]:
+        raise ValueError("the two sweeps must have the same sizes")
+    ratio = [h["time_s"] / r["time_s"] for r, h in zip(rows, ring_rows)]  # > 1: the library is faster
+    small, large = ratio[:2], ratio[-2:]
+
+    def who(rs, where):
+        if all(x > 1.1 for x in rs):
+            return f"at {where} the library is faster ({min(rs):.2f}x to {max(rs):.2f}x)"
+        if all(x < 1 / 1.1 for x in rs):
+            return f"at {where} the hand ring is faster ({1 / max(rs):.2f}x to {1 / min(rs):.2f}x)"
+        return f"at {where} the two are within noise of each other (time ratios {min(rs):.2f} to {max(rs):.2f})"
+
+    sizes = [format_size(r["bytes"]) for r in rows]
+    return [who(small, f"the smallest sizes ({sizes[0]}, {sizes[1]})"),
+            who(large, f"the largest sizes ({sizes[-2]}, {sizes[-1]})")]
+
+
+def describe_busbw_spread(results):
+    """Sentences about busbw of several ops at one size: ``results`` maps op -> a ``sweep`` row."""
+    bus = {op: r["busbw_Bps"] for op, r in results.items()}
+    lo, hi = min(bus, key=bus.get), max(bus, key=bus.get)
+    lines = [f"busbw spans {bus[hi] / bus[lo]:.1f}x, from {lo} (lowest) to {hi} (highest)"]
+    if "reduce_scatter" in results and "all_reduce" in results:
+        t = results["reduce_scatter"]["time_s"] / results["all_reduce"]["time_s"]
+        lines.append(f"reduce_scatter took {t:.2f}x the time of all_reduce on the same buffer "
+                     + ("(about as long: consistent with gloo running a whole all-reduce and keeping a slice)"
+                        if t > 0.6 else "(clearly less: this backend does not run a whole all-reduce here)"))
+    return lines
+
+
+# -- self-checks of 04's exercises ---------------------------------------------------------------------
+def _fail(message):
+    exc = AssertionError(message)
+    exc._render_traceback_ = lambda: [f"\x1b[31mAssertionError\x1b[0m: {message}"]
+    return exc
+
+
+def _near(a, b, rtol=1e-6):
+    return abs(a - b) <= rtol * abs(b)
+
+
+def check_busbw(my_busbw, row, world_size):
+    """Exercise 1 of 04: ``my_busbw`` (bytes per second) computed by hand from ``row``'s bytes and time_s."""
+    __tracebackhide__ = True
+    if my_busbw is None:
+        raise _fail("Set my_busbw (bytes per second, from row['bytes'] and row['time_s']) and run the cell again.")
+    algbw_ = row["bytes"] / row["time_s"]
+    right = algbw_ * 2 * (world_size - 1) / world_size
+    if _near(my_busbw, right):
+        return
+    if _near(my_busbw, algbw_):
+        raise _fail("That is algbw, the speed the caller sees. busbw multiplies it by the all-reduce's bus factor.")
+    if _near(my_busbw, algbw_ * (world_size - 1) / world_size):
+        raise _fail("That factor is reduce-scatter's or all-gather's. An all-reduce is a reduce-scatter AND an "
+                    "all-gather: each rank sends twice as much.")
+    if _near(my_busbw, algbw_ * world_size / (2 * (world_size - 1))):
+        raise _fail("You divided algbw by the bus factor: busbw is larger than algbw for an all-reduce.")
+    if _near(my_busbw, right / 1e9) or _near(my_busbw, right / 2**30):
+        raise _fail("Right formula, wrong unit: my_busbw is in bytes per second, not GB/s.")
+    raise _fail(f"{my_busbw:.4g} B/s is {my_busbw / right:.3g}x the busbw of this row. Start from algbw, then "
+                f"apply the all-reduce's bus factor for n = {world_size} ranks (section 1).")
+
+
+def check_bucket_times(my_times, alpha, beta):
+    """Exercise 2 of 04: the alpha-beta model's time for DDP's first bucket and for a full default bucket.
+
+    ``my_times`` maps "first" and "full" to seconds. The sizes are DDP's: ``dist._DEFAULT_FIRST_BUCKET_BYTES``
+    (1 MiB) and ``bucket_cap_mb=25`` (25 MiB).
+    """
+    __tracebackhide__ = True
+    import torch.distributed as dist
+
+    if my_times is None or any(my_times.get(k) is None for k in ("first", "full")):
+        raise _fail('Set my_times = {"first": ..., "full": ...} (seconds, from alpha and beta) and run again.')
+    sizes = {"first": dist._DEFAULT_FIRST_BUCKET_BYTES, "full": 25 * 2**20}
+    for key, size in sizes.items():
+        t = my_times[key]
+        if _near(t, alpha + beta * size):
+            continue
+        decimal = {"first": 10**6, "full": 25 * 10**6}[key]
+        if _near(t, alpha + beta * decimal):
+            raise _fail(f"{key}: DDP's sizes are binary: bucket_cap_mb=25 means 25 x 2**20 bytes, and the first "
+                        "bucket is 2**20 bytes (dist._DEFAULT_FIRST_BUCKET_BYTES), not 10**6.")
+        if _near(t, beta * size):
+            raise _fail(f"{key}: you left out alpha, the fixed cost every all-reduce pays once.")
+        if key == "first" and _near(t, alpha + beta * 25 * 2**20):
+            raise _fail("first: DDP caps the FIRST bucket at 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), "
+                        "not at bucket_cap_mb.")
+        raise _fail(f"{key}: {t:.4g} s is {t / (alpha + beta * size):.3g}x what the model predicts for a bucket "
+                    f"of {format_size(size)}: t = alpha + beta x S, with S in bytes.")
+
+
+def check_algbw_prediction(my_algbw, busbw_Bps):
+    """Exercise 3 of 04: algbw at 2 and 8 ranks if busbw stayed at ``busbw_Bps`` (an optimal all-reduce)."""
+    __tracebackhide__ = True
+    if my_algbw is None or any(my_algbw.get(n) is None for n in (2, 8)):
+        raise _fail("Set my_algbw = {2: ..., 8: ...} (bytes per second) and run the cell again.")
+    for n in (2, 8):
+        right = busbw_Bps / bus_factor("all_reduce", n)
+        got = my_algbw[n]
+        if _near(got, right):
+            continue
+        if _near(got, busbw_Bps * bus_factor("all_reduce", n)):
+            raise _fail(f"n = {n}: you multiplied by the bus factor; busbw is algbw times it, so go the other way.")
+        if _near(got, busbw_Bps / bus_factor("all_reduce", 4)):
+            raise _fail(f"n = {n}: that is the algbw at 4 ranks. The bus factor 2(n-1)/n depends on n: "
+                        "with busbw fixed, algbw changes with the number of ranks.")
+        raise _fail(f"n = {n}: {got:.4g} B/s is {got / right:.3g}x the algbw that keeps busbw constant.")
+
+
+# -- the course's solutions to 04's exercises (try your own first) ------------------------------------------
+def solution_busbw(row, world_size):
+    return row["bytes"] / row["time_s"] * 2 * (world_size - 1) / world_size
+
+
+def solution_bucket_times(alpha, beta):
+    import torch.distributed as dist
+
+    return {"first": alpha + beta * dist._DEFAULT_FIRST_BUCKET_BYTES, "full": alpha + beta * 25 * 2**20}
+
+
+def solution_algbw_prediction(busbw_Bps):
+    return {n: busbw_Bps / (2 * (n - 1) / n) for n in (2, 8)}
