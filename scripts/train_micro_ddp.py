@@ -25,7 +25,9 @@ spread over nodes: the data is sharded by global rank, and nothing is random but
 Backend: NCCL when every local rank has its own GPU, else gloo on CPU.
 """
 import argparse
+import contextlib
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -52,15 +54,33 @@ def parse_args():
     return p.parse_args()
 
 
+def local_layout(env=os.environ):
+    """(local_rank, local_world_size) of this process: torchrun sets both; srun without torchrun sets
+    SLURM_LOCALID and SLURM_NTASKS_PER_NODE (or SLURM_TASKS_PER_NODE, e.g. "2(x2)"). Never guessed
+    from WORLD_SIZE: on 2 nodes x 2 GPUs that would compare 2 GPUs with 4 and fall back to the CPU."""
+    local_rank = env.get("LOCAL_RANK", env.get("SLURM_LOCALID"))
+    size = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if local_rank is None or size is None:
+        missing = [name for name, v in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", size)) if v is None]
+        raise SystemExit(f"{' and '.join(missing)} not set: with torchrun they are set for you; with srun alone set "
+                         "LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE (processes on this node).")
+    return int(local_rank), int(re.match(r"\d+", size).group())
+
+
+def choose_device(local_rank, local_world_size, gpus):
+    """cuda:local_rank when every process of this node has its own GPU, else the CPU."""
+    return torch.device("cuda", local_rank) if gpus >= local_world_size else torch.device("cpu")
+
+
 def setup():
-    """rank, world_size, local_rank, device from torchrun's environment (or a lone process)."""
+    """rank, world_size, local_rank, device from torchrun's environment (or srun's, or a lone process)."""
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         return 0, 1, 0, torch.device("cpu")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
-        device = torch.device("cuda", local_rank)
+    local_rank, local_world_size = local_layout()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = choose_device(local_rank, local_world_size, gpus)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl")
     else:
@@ -105,7 +125,7 @@ def main():
                              global_batch_size, model.module.cfg.block_size, seed=args.seed)
             x, y = x.to(device), y.to(device)
             last = micro_step == accum_steps - 1
-            with (model.no_sync() if not last else torch.enable_grad()):  # sync on the last only
+            with (model.no_sync() if not last else contextlib.nullcontext()):  # sync on the last only
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                     logits = model(x)
                 micro_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / accum_steps
@@ -125,6 +145,7 @@ def main():
             dist.barrier()  # nobody reads or overwrites the file before it is complete
     if rank == 0:
         print(f"final_loss={loss.item()!r}", flush=True)
+    dist.barrier()  # no rank tears down its connections while a peer still has work in flight
     dist.destroy_process_group()
 
 

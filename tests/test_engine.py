@@ -1,12 +1,19 @@
-"""The distributed cell engine with real processes: gloo, 2-4 ranks on CPU."""
+"""The distributed cell engine with real processes: gloo, 2-4 ranks on CPU.
+
+Every test defines the names and imports it uses, so the module's tests pass in any order on
+the shared 4-rank cluster. Time limits are at least 5x what the engine needs on a loaded machine:
+a release that fails shows up as a DistributedTimeout (the cell's limit), not as a slow pass.
+"""
 import os
 import signal
+import threading
 import time
 
 import pytest
 
-from conftest import children_of
+from conftest import alive, children_of
 from course_utils import Cluster, DistributedError, DistributedTimeout, launch
+from engine_env import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
 # -- results, names, functions --------------------------------------------------------------
@@ -55,20 +62,28 @@ def test_functions_lambdas_closures_and_classes_are_sent_by_value(cluster4):
 def test_torch_distributed_is_initialised_with_torchrun_env(cluster4):
     env = cluster4.run(
         "import os, torch.distributed as dist\n"
-        "(dist.get_rank(), dist.get_world_size(), dist.get_backend(), str(device),"
+        "(dist.get_rank(), dist.get_world_size(), dist.get_backend(), str(device), local_rank,"
         " [os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')],"
         " int(os.environ['MASTER_PORT']) > 0, os.environ['OMP_NUM_THREADS'])")
-    threads = str(max(1, len(os.sched_getaffinity(0)) // 4))
-    for r, (rank, ws, backend, dev, env_vars, port_ok, omp) in enumerate(env):
-        assert (rank, ws, backend, dev) == (r, 4, "gloo", "cpu")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = str(max(1, cores // 4))
+    for r, (rank, ws, backend, dev, local_rank, env_vars, port_ok, omp) in enumerate(env):
+        assert (rank, ws, backend, dev, local_rank) == (r, 4, "gloo", "cpu", r)
         assert env_vars == [str(r), str(r), "4", "4", "127.0.0.1"]
         assert port_ok
         assert omp == threads, "each rank gets its share of the cores"
 
 
 def test_collective_result(cluster4):
-    out = cluster4.run("import torch\nt = torch.ones(1) * rank\ndist.all_reduce(t)\nt.item()")
+    out = cluster4.run("import torch, torch.distributed as dist\n"
+                       "t = torch.ones(1) * rank\ndist.all_reduce(t)\nt.item()")
     assert out == [6.0] * 4
+
+
+def test_ranks_are_fresh_interpreters_not_forks(cluster4):
+    # a fork of this process would carry pytest's modules; a fresh interpreter runs the worker as __main__
+    got = cluster4.run("import os, sys\n('pytest' in sys.modules, sys.modules['__main__'].__spec__.name, os.getppid())")
+    assert got == [(False, "course_utils.engine._worker", os.getpid())] * 4
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -95,12 +110,11 @@ def test_output_is_prefixed_grouped_and_includes_fd_level_writes(cluster4, capfd
 # -- failures -----------------------------------------------------------------------------------
 def test_exception_names_first_rank_and_releases_the_others(cluster4):
     cluster4.run("persisted = rank + 100")
-    t0 = time.monotonic()
-    with pytest.raises(DistributedError) as info:
+    with pytest.raises(DistributedError) as info:  # a 120 s limit: without the release, a DistributedTimeout
         cluster4.run("import torch, torch.distributed as dist\n"
-                     "if rank == 2:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))")
-    assert time.monotonic() - t0 < 15, "the waiting ranks must be released within seconds"
+                     "if rank == 2:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))", timeout=120)
     e = info.value
+    assert not isinstance(e, DistributedTimeout), "the waiting ranks must be released, not timed out"
     assert isinstance(e, RuntimeError)
     assert (e.rank, e.exc_type, e.exc_message) == (2, "ValueError", "bad shard")
     text = str(e)
@@ -109,7 +123,8 @@ def test_exception_names_first_rank_and_releases_the_others(cluster4):
     for r in (0, 1, 3):
         assert f"rank {r}: then raised" in text and "in all_reduce()" in text
     assert cluster4.run("persisted") == [100, 101, 102, 103], "soft recovery keeps the names"
-    assert cluster4.run("import torch\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [4.0] * 4
+    assert cluster4.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") \
+        == [4.0] * 4
 
 
 def test_ranks_are_released_after_torch_dynamo_is_imported(cluster4):
@@ -117,26 +132,26 @@ def test_ranks_are_released_after_torch_dynamo_is_imported(cluster4):
     # group no longer closes gloo's sockets; the engine must release the waiting ranks anyway.
     cluster4.run("import torch, torch._dynamo, torch.distributed as dist\n"
                  "opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)")
-    t0 = time.monotonic()
     with pytest.raises(DistributedError) as info:
-        cluster4.run("if rank == 1:\n    raise ValueError('late')\ndist.all_reduce(torch.ones(1))")
-    assert time.monotonic() - t0 < 10
+        cluster4.run("if rank == 1:\n    raise ValueError('late')\ndist.all_reduce(torch.ones(1))", timeout=120)
+    assert not isinstance(info.value, DistributedTimeout), "the waiting ranks must be released, not timed out"
     assert "rank 0: then raised" in str(info.value) and "names you defined are kept" in str(info.value)
 
 
 def test_a_deadlock_is_released_without_losing_names(cluster4):
     cluster4.run("kept_through_deadlock = rank")
     with pytest.raises(DistributedTimeout) as info:  # every rank waits to receive first
-        cluster4.run("import torch\nbuf = torch.zeros(1)\ndist.recv(buf, src=(rank + 1) % world_size)", timeout=3)
+        cluster4.run("import torch, torch.distributed as dist\nbuf = torch.zeros(1)\n"
+                     "dist.recv(buf, src=(rank + 1) % world_size)", timeout=3)
     assert "rank 0: stuck in recv()" in str(info.value)
     assert "names you defined are kept" in str(info.value)
     assert cluster4.pull("kept_through_deadlock") == [0, 1, 2, 3]
 
 
 def test_a_bug_on_every_rank_is_blamed_on_the_lowest_rank_every_time(cluster4):
-    for _ in range(3):
+    for _ in range(3):  # rank 3 raises first, by up to seconds: the same bug is still blamed on rank 0
         with pytest.raises(DistributedError) as info:
-            cluster4.run("import time\ntime.sleep(0.01 * (3 - rank))\nraise KeyError(rank)")
+            cluster4.run("import time\ntime.sleep(0.4 * (3 - rank))\nraise KeyError(rank)", timeout=120)
         assert info.value.rank == 0, "the blamed rank must not depend on which rank was fastest"
         assert "rank 3: then raised KeyError" in str(info.value)
 
@@ -156,8 +171,7 @@ def test_skipped_collective_times_out_with_stacks_and_recovers(cluster4):
     t0 = time.monotonic()
     with pytest.raises(DistributedTimeout) as info:
         cluster4.run("if rank != 3:\n    dist.barrier()", timeout=3)
-    elapsed = time.monotonic() - t0
-    assert 3 <= elapsed < 20
+    assert time.monotonic() - t0 >= 3, "the cell's own limit decides"
     e = info.value
     assert isinstance(e, TimeoutError) and isinstance(e, DistributedError)
     text = str(e)
@@ -169,7 +183,7 @@ def test_skipped_collective_times_out_with_stacks_and_recovers(cluster4):
 
 
 def test_endless_loop_times_out_and_idle_time_does_not_count(cluster4):
-    cluster4.run("import torch._dynamo")  # the ranks' idle-time pre-import is over (or done now)
+    cluster4.run("import torch._dynamo")  # what an idle rank pre-imports outside the tests: done now
     time.sleep(2.5)  # idle between cells: must not count towards the next call's timeout
     assert cluster4.run("import time\ntime.sleep(1.0)\nrank", timeout=3) == [0, 1, 2, 3]
     with pytest.raises(DistributedTimeout) as info:
@@ -184,14 +198,150 @@ def test_endless_loop_times_out_and_idle_time_does_not_count(cluster4):
     ("os.kill(os.getpid(), signal.SIGKILL)", "was killed by SIGKILL"),
     ("ctypes.string_at(0)", "was killed by SIGSEGV"),
 ])
-def test_dead_worker_is_reported_and_replaced(code, how):
-    with Cluster(world_size=2, backend="gloo", timeout=30) as c:
-        t0 = time.monotonic()
-        with pytest.raises(DistributedError) as info:
-            c.run(f"import os, signal, ctypes, torch\nif rank == 1:\n    {code}\ndist.all_reduce(torch.ones(1))")
-        assert time.monotonic() - t0 < 30
-        assert f"rank 1 died: it {how}" in str(info.value)
-        assert c.run("rank") == [0, 1], "the cluster replaces its ranks and stays usable"
+def test_dead_worker_is_reported_and_replaced(make_cluster, capfd, code, how):
+    c = make_cluster(2, timeout=120)  # a death is seen at once; 120 s would be a DistributedTimeout
+    with pytest.raises(DistributedError) as info:
+        c.run(f"import os, signal, ctypes, torch, torch.distributed as dist\nif rank == 1:\n"
+              f"    print('last words', flush=True)\n    {code}\ndist.all_reduce(torch.ones(1))")
+    assert not isinstance(info.value, DistributedTimeout)
+    assert f"rank 1 died: it {how}" in str(info.value)
+    assert "[rank 1] last words\n" in capfd.readouterr().out, "what a rank printed before it died is kept"
+    assert c.run("rank") == [0, 1], "the cluster replaces its ranks and stays usable"
+
+
+def test_a_rank_that_forked_a_child_is_seen_to_die(make_cluster, tmp_path):
+    # the child inherits the rank's pipes, so no EOF tells the notebook that the rank is gone
+    c = make_cluster(2, timeout=120)
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(DistributedError) as info:
+        c.run("import os, time, torch, torch.distributed as dist\n"
+              "if rank == 1:\n"
+              "    child = os.fork()\n"
+              "    if child == 0:\n"
+              "        time.sleep(300)\n"
+              "        os._exit(0)\n"
+              f"    open({str(pid_file)!r}, 'w').write(str(child))\n"
+              "    os._exit(3)\n"
+              "dist.all_reduce(torch.ones(1))")
+    assert "rank 1 died: it exited with code 3" in str(info.value), str(info.value)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child), "what a dead rank started is stopped with it"
+    assert c.run("rank") == [0, 1]
+
+
+def test_hang_report_names_the_collective_even_with_a_longer_cell_timeout():
+    # The backend's own timeout used to be max(cell timeout, 10 s): a cell allowed 11 s raced gloo,
+    # and the report contradicted itself. Now the engine alone decides, and names the collective.
+    with Cluster(world_size=3, backend="gloo", timeout=3) as c:
+        with pytest.raises(DistributedTimeout) as info:
+            c.run("import torch, torch.distributed as dist\nif rank == 0:\n    dist.all_reduce(torch.ones(1))",
+                  timeout=11)
+        text = str(info.value)
+        assert "rank 0 did not finish within 11 s" in text, text
+        assert "ranks 1, 2 finished." in text and "rank 0: stuck in all_reduce() at <ddp>, line 3" in text, text
+        assert info.value.ranks.keys() == {0}, "a rank is stuck or finished, never both"
+        assert c.run("rank") == [0, 1, 2]
+
+
+def test_a_reply_the_notebook_cannot_load_is_that_ranks_error_and_the_next_run_works(cluster4):
+    with pytest.raises(DistributedError) as info:
+        cluster4.run("class Later:\n    def __reduce__(self):\n        return (eval, ('no_such_name_here',))\n"
+                     "Later() if rank == 1 else rank")
+    assert "rank 1 failed with NameError: the rank's reply could not be loaded" in str(info.value)
+    assert cluster4.run("rank") == [0, 1, 2, 3], "the pipe is not jammed by the bad frame"
+
+
+def test_output_that_looks_like_the_engines_end_mark_is_shown_as_text(cluster4, capfd):
+    cluster4.run("import os\nos.write(1, b'\\x00course_utils-end:xyz\\n')\nif rank == 0:\n    print('after')")
+    out = capfd.readouterr().out
+    assert "[rank 0] after" in out and out.count("course_utils-end:xyz") == 4
+
+
+def test_cpp_frames_in_relayed_output_collapse_to_one_line(cluster4, capfd, monkeypatch):
+    code = ("import sys\nif rank == 0:\n    print('Exception raised from run at gloo.cc:1', file=sys.stderr)\n"
+            "    for i in range(40):\n"
+            "        print(f'frame #{i}: <unknown function> + 0x1 (0x7f in /x/libtorch_python.so)', file=sys.stderr)\n"
+            "    print('RuntimeError: the end', file=sys.stderr)")
+    cluster4.run(code)
+    err = capfd.readouterr().err
+    assert "frame #" not in err
+    assert ("[rank 0] Exception raised from run at gloo.cc:1\n"
+            "[rank 0] [40 C++ frames hidden: set TORCH_SHOW_CPP_STACKTRACES=1 to see them]\n"
+            "[rank 0] RuntimeError: the end\n") in err
+    monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")
+    cluster4.run(code)
+    assert capfd.readouterr().err.count("frame #") == 40
+
+
+def test_interrupt_during_a_large_push_keeps_the_ranks_and_their_names(make_cluster, monkeypatch):
+    from course_utils.engine import _wire
+
+    c = make_cluster(2, timeout=120)
+    c.run("kept_through_stop = rank")
+    real = _wire.write_all
+
+    def write_half_then_stop(fd, data):  # the stop button pressed in the middle of a frame
+        if len(data) > 1 << 20:
+            real(fd, data[:len(data) // 2])
+            os.kill(os.getpid(), signal.SIGINT)
+            real(fd, data[len(data) // 2:])
+        else:
+            real(fd, data)
+
+    monkeypatch.setattr(_wire, "write_all", write_half_then_stop)
+    with pytest.raises(KeyboardInterrupt, match="names you defined are kept"):
+        c.push(big=b"x" * (8 << 20))
+    monkeypatch.undo()
+    pids = list(c.pids)
+    assert c.run("kept_through_stop", timeout=120) == [0, 1]
+    assert c.pids == pids and c.pull("big") == [b"x" * (8 << 20)] * 2, "the whole frame arrived"
+
+
+def test_interrupt_while_the_ranks_start_leaves_none_running():
+    before = set(children_of(os.getpid()))
+    made = []
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            made.append(Cluster(world_size=2, backend="gloo"))
+            time.sleep(30)  # the stop lands here if the ranks started within 0.3 s
+    finally:
+        timer.cancel()
+        for c in made:
+            c.shutdown()
+    if made:
+        pytest.skip("the ranks started before the stop arrived: nothing to test on this machine")
+    new = set(children_of(os.getpid())) - before
+    assert not new, f"ranks left running after a stop during start: {new}"
+
+
+def test_a_cluster_created_in_a_thread_survives_the_thread():
+    made = []
+    t = threading.Thread(target=lambda: made.append(Cluster(world_size=2, backend="gloo")))
+    t.start()
+    t.join()
+    c = made[0]
+    try:
+        pids = list(c.pids)
+        time.sleep(1.0)
+        assert c.alive and c.run("rank") == [0, 1]
+        assert (c.pids, c.restarts) == (pids, 0), "the ranks must not die with the thread that started them"
+    finally:
+        c.shutdown()
+
+
+def test_the_store_prefix_is_a_secret_of_each_cluster(cluster4, make_cluster):
+    code = ("import os\nfrom course_utils.engine import _worker\n"
+            "(_worker._WORKER.secret, any(_worker._WORKER.secret in v for v in os.environ.values()))")
+    mine = cluster4.run(code)
+    other = make_cluster(2).run(code)
+    assert len({s for s, _ in mine}) == 1 and len(mine[0][0]) == 32, mine
+    assert mine[0][0] != other[0][0], "each cluster has its own prefix"
+    assert not any(in_env for _, in_env in mine + other), "not in the environment, which other users may read"
 
 
 # -- bad input --------------------------------------------------------------------------------------
@@ -228,18 +378,27 @@ def test_unpicklable_argument_is_named(cluster4):
 
 
 # -- launch, security, leaks ------------------------------------------------------------------------------
-def test_launch_runs_once_and_leaves_nothing(cluster4):
+def test_launch_runs_once_and_leaves_nothing():
     def job(base):
-        import torch.distributed as dist
-        return base + dist.get_rank()
+        import os
 
-    before = set(children_of(os.getpid()))
-    assert launch(job, 10, world_size=3, backend="gloo") == [10, 11, 12]
-    assert set(children_of(os.getpid())) == before
+        import torch.distributed as dist
+        return base + dist.get_rank(), os.getpid()
+
+    out = launch(job, 10, world_size=3, backend="gloo")
+    assert [v for v, _ in out] == [10, 11, 12]
+    assert not [pid for _, pid in out if alive(pid)], "the ranks of launch() end with it"
 
 
 def _listening_addresses(pids):
-    """Local addresses of the TCP sockets the given processes listen on."""
+    """Local addresses of the TCP sockets the given processes listen on (psutil, else Linux /proc)."""
+    try:
+        import psutil
+
+        return [c.laddr.ip for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN]
+    except ImportError:
+        pass
     inodes = set()
     for pid in pids:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -263,20 +422,22 @@ def test_every_socket_listens_on_loopback_only(cluster4):
     pids = cluster4.pids
     addrs = _listening_addresses(pids)
     assert addrs, "the ranks should be listening somewhere (store, gloo): the check would be vacuous"
-    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F",
+                "127.0.0.1", "::1", "::ffff:127.0.0.1"}
     assert set(addrs) <= loopback, f"a socket listens beyond 127.0.0.1: {addrs}"
 
 
 def test_repeated_launches_leak_no_processes_or_fds():
     def open_fds():
-        return len(os.listdir("/proc/self/fd"))
+        return len(os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"))
 
     launch(lambda: 0, world_size=2, backend="gloo")  # warm imports
-    fds, kids = open_fds(), set(children_of(os.getpid()))
-    for _ in range(3):
-        assert launch(lambda: rank, world_size=2, backend="gloo") == [0, 1]  # noqa: F821
-    assert open_fds() == fds, "file descriptors leaked"
-    assert set(children_of(os.getpid())) == kids, "worker processes leaked"
+    fds, launches, pids = open_fds(), 4, []
+    for _ in range(launches):
+        pids += launch(lambda: os.getpid(), world_size=2, backend="gloo")
+    # a leaking engine leaks 8 or more per launch (4 pipes per rank); a stray thread elsewhere, a few once
+    assert open_fds() - fds < launches, f"file descriptors leaked: {open_fds() - fds} over {launches} launches"
+    assert not [p for p in pids if alive(p)], "worker processes leaked"
 
 
 def test_restart_and_shutdown():
@@ -290,7 +451,28 @@ def test_restart_and_shutdown():
     c.shutdown()
     c.shutdown()  # twice is fine
     assert not c.alive
-    for pid in old + c.pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-    assert signal.SIGINT  # (imported for the parametrised cases)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in old + c.pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in old + c.pids if alive(p)], "shutdown leaves no rank"
+
+
+def test_default_timeout_is_60_seconds():
+    import inspect
+
+    from course_utils import launch as launch_fn
+
+    assert inspect.signature(Cluster).parameters["timeout"].default == 60
+    assert inspect.signature(launch_fn).parameters["timeout"].default == 60
+
+
+def test_magic_uses_only_public_cluster_methods():
+    import ast
+
+    import course_utils.engine.magic as magic
+
+    tree = ast.parse(open(magic.__file__).read())
+    private = sorted({f"{n.value.id}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                      and isinstance(n.value, ast.Name) and n.value.id in ("cluster", "c", "_CLUSTER")
+                      and n.attr.startswith("_")})
+    assert not private, f"magic reaches into the Cluster: {private}"

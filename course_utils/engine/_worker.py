@@ -24,9 +24,11 @@ import traceback
 from course_utils.engine import _wire
 
 _CHANNEL = None  # set in main(); course_utils.engine.progress uses it to report from a worker
+_WORKER = None  # this rank's Worker, once main() runs
 # idle this long, a rank pre-imports what training needs (see Worker.prewarm)
 PREWARM_AFTER_S = float(os.environ.get("COURSE_UTILS_PREWARM_S", "1.0"))
 _HERE = os.path.abspath(__file__)
+_ENGINE_DIR = os.path.dirname(_HERE) + os.sep  # the engine's own frames are not shown to the learner
 
 
 class Channel:
@@ -103,7 +105,7 @@ def _user_frames(tb_or_stack):
     """Frames of the learner's code and libraries, without the engine's plumbing, paths shortened."""
     out = []
     for f in tb_or_stack:
-        if os.path.abspath(f.filename) == _HERE or f.filename.startswith("<frozen"):
+        if os.path.abspath(f.filename).startswith(_ENGINE_DIR) or f.filename.startswith("<frozen"):
             continue
         out.append(traceback.FrameSummary(_short(f.filename), f.lineno, f.name, line=f.line))
     return out
@@ -430,8 +432,8 @@ class Worker:
             raise KeyboardInterrupt
 
     def main(self):
-        global _CHANNEL
-        _CHANNEL = self.channel
+        global _CHANNEL, _WORKER
+        _CHANNEL, _WORKER = self.channel, self
         signal.signal(signal.SIGINT, self.on_sigint)
         for fd in (self.cmd_fd, self.channel.res_fd, self.listen_fd):
             if fd >= 0:  # a process the learner forks or starts must not hold the engine's pipes

@@ -2,18 +2,23 @@
 
 Introduced in 11_capstone_micro_ddp. The script starts like a ``%%ddp`` rank: it initialises the
 process group from torchrun's environment and defines ``rank``, ``world_size``, ``local_rank``
-and ``device``; then come the cells, in the order they ran; then ``destroy_process_group``.
+and ``device``; then come the cells and the ``%ddp push`` values, in the order they ran, since the
+ranks were last started (names defined before a restart or a crash were gone for the later cells
+too); then ``destroy_process_group``. Each rank prints what the cells printed on it, and each
+cell's last value as ``[rank N] value`` lines, as the notebook showed them.
 """
 import ast
+import base64
 import re
 from pathlib import Path
 
 PREAMBLE = '''\
 """Exported from a notebook's %%ddp cells by course_utils.engine.export.write_script.
 
-    torchrun --standalone --nproc-per-node=2 {name}
-{sizes}"""
+    torchrun --standalone --nproc-per-node={world_size} {name}
+{note}"""
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,90 +26,102 @@ import torch.distributed as dist
 # What the %%ddp engine sets up on every rank: the process group and four names.
 rank = int(os.environ["RANK"])
 world_size = int(os.environ["WORLD_SIZE"])
-local_rank = int(os.environ["LOCAL_RANK"])
-if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", world_size)):
+# torchrun sets LOCAL_RANK and LOCAL_WORLD_SIZE; srun alone sets SLURM_LOCALID and SLURM_(N)TASKS_PER_NODE
+local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", -1)))
+_local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or \
+    os.environ.get("SLURM_TASKS_PER_NODE")
+if local_rank < 0 or not _local:
+    raise SystemExit("set LOCAL_RANK and LOCAL_WORLD_SIZE (processes on this node); torchrun sets them for you")
+local_world_size = int(_local.split("(")[0].split(",")[0])
+if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
     device = torch.device("cuda", local_rank)  # one GPU per process on this node (the engine's cuda:rank on one node)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")
 else:
     device = torch.device("cpu")
     dist.init_process_group("gloo")
+
+
+def _show(value):
+    """A cell's last value, shown as the notebook showed it: every line prefixed with the rank."""
+    if value is not None:
+        print("\\n".join(f"[rank {{rank}}] {{line}}" for line in repr(value).splitlines() or [""]))
+
+
+def _only_rank(shown):
+    """%%ddp --rank R: the other ranks' output is hidden, as in the notebook. Returns the undo."""
+    saved = sys.stdout, sys.stderr
+    if rank != shown:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
+    def undo():
+        if sys.stdout is not saved[0]:
+            sys.stdout.close()
+        sys.stdout, sys.stderr = saved
+    return undo
 '''
 
 EPILOGUE = '''
+dist.barrier()  # every rank is done with the group before any rank destroys it
 dist.destroy_process_group()
 '''
 
-_MAGIC = re.compile(r"^(\s*)([%!].*)$")
-
-
-def _comment_magics(source):
-    """IPython-only lines (``%magic``, ``!shell``) become comments (``%time stmt`` keeps ``stmt``);
-    inside a block, ``pass`` keeps the block valid."""
-    try:
-        ast.parse(source)
-        return source  # plain Python: a line starting with % is a continued expression, not a magic
-    except SyntaxError:
-        pass
-    out = []
-    for line in source.splitlines():
-        m = _MAGIC.match(line)
-        if m:
-            indent, rest = m.groups()
-            timed = re.match(r"%time\s+(\S.*)", rest)
-            if timed:  # %time runs its statement once: keep the statement
-                out.append(f"{indent}{timed.group(1)}  # {rest}")
-            else:
-                out.append(f"{indent}pass  # {rest}" if indent else f"# {rest}")
-        else:
-            out.append(line)
-    return "\n".join(out)
-
 
 def _show_last_value(source):
-    """A cell shows its last expression's value; the script prints it, as ``[rank N] value`` lines do."""
+    """A cell shows its last expression's value; the script shows it with ``_show``."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return source  # left as is: Python reports it when the script runs
     if not tree.body or not isinstance(tree.body[-1], ast.Expr):
         return source
-    call = tree.body[-1].value
-    if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "print":
-        return source  # prints already, and its value is None
     last = tree.body[-1]
     lines = source.splitlines()
     value = ast.get_source_segment(source, last.value)
-    before = lines[last.lineno - 1][:last.col_offset]  # e.g. "x = 1; " before the expression
-    return "\n".join(lines[:last.lineno - 1] + [
-        f"{before}_value = ({value})",
-        "if _value is not None:",
-        '    print(f"[rank {rank}] {_value!r}")',
-    ] + lines[last.end_lineno:])
+    # col_offset counts UTF-8 bytes, not characters ('héllo' is 6 bytes)
+    before = lines[last.lineno - 1].encode("utf-8")[:last.col_offset].decode("utf-8")  # e.g. "x = 1; "
+    return "\n".join(lines[:last.lineno - 1] + [f"{before}_show({value})"] + lines[last.end_lineno:])
+
+
+def _rank_option(options):
+    m = re.search(r"--rank[ =](\d+)", options or "")
+    return int(m.group(1)) if m else None
 
 
 def cell_to_code(options, source):
     """One ``%%ddp`` cell as script code, under a comment with its options."""
-    body = _show_last_value(_comment_magics(source))
-    return f"\n# %%ddp {options}".rstrip() + "\n" + body.rstrip() + "\n"
+    body = _show_last_value(source).rstrip()
+    shown = _rank_option(options)
+    if shown is not None:
+        body = f"_undo = _only_rank({shown})\n{body}\n_undo()"
+    return f"\n# %%ddp {options}".rstrip() + "\n" + body + "\n"
 
 
-def write_script(path, cells):
-    """Write ``cells`` -- (options line, cell source) of each ``%%ddp`` cell run, in order -- as a
-    torchrun-ready script at ``path``. Returns the path."""
+def push_to_code(name, blob):
+    """``%ddp push NAME``: the value travels in the script, pickled as the engine sent it."""
+    data = base64.b64encode(blob).decode("ascii")
+    return (f"\n# %ddp push {name}\nimport base64, pickle  # noqa: E401\n"
+            f"{name} = pickle.loads(base64.b64decode({data!r}))[{name!r}]\n")
+
+
+def write_script(path, cells, world_size=2, left_out=0):
+    """Write ``cells`` as a torchrun-ready script at ``path``; return the path.
+
+    ``cells`` lists, in the order they ran, ``("cell", options line, source)`` for each ``%%ddp`` cell
+    and ``("push", name, pickled {name: value})`` for each ``%ddp push`` (a plain ``(options, source)``
+    pair is a cell). ``world_size`` goes into the launch hint; ``left_out`` cells from before the
+    ranks were last started are mentioned in the docstring."""
     path = Path(path)
-    sizes = sorted({_world_size(opts) for opts, _ in cells} - {None})
     note = ""
-    if sizes:
-        note = (f"\nThe notebook ran these cells on {' and '.join(map(str, sizes))} ranks; under torchrun all of "
-                "them run on --nproc-per-node x --nnodes ranks.\n")
-    parts = [PREAMBLE.format(name=path.name, sizes=note)]
-    parts += [cell_to_code(opts, src) for opts, src in cells]
+    if left_out:
+        note = (f"\n{left_out} earlier %%ddp cell(s) ran on ranks that were replaced since (a restart, a crash or\n"
+                "another world size) and are left out: their names were gone for the cells below too.\n")
+    parts = [PREAMBLE.format(name=path.name, world_size=world_size, note=note)]
+    for item in cells:
+        if len(item) == 2:
+            item = ("cell", *item)
+        kind, a, b = item
+        parts.append(cell_to_code(a, b) if kind == "cell" else push_to_code(a, b))
     parts.append(EPILOGUE)
     path.write_text("".join(parts), encoding="utf-8")
     return path
-
-
-def _world_size(options):
-    m = re.search(r"(?:-n|--world-size)[ =]?(\d+)", options or "")
-    return int(m.group(1)) if m else None

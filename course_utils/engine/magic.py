@@ -18,7 +18,13 @@ from course_utils.engine import launcher
 from course_utils.engine.progress import bar
 
 _CLUSTER = None
-_CELLS = []  # (options line, source) of every %%ddp cell run successfully, for export
+_CELLS = []  # for export: (session, "cell", options, source) of each %%ddp cell run successfully and
+#              (session, "push", name, pickled value) of each %ddp push; session = (cluster id, restarts, size)
+
+
+def _session(cluster):
+    """Which set of ranks ran a cell: names from another session were gone for it."""
+    return id(cluster), cluster.restarts, cluster.world_size
 
 
 def shutdown_cluster():
@@ -175,7 +181,7 @@ class DDPMagics(Magics):
             raise
         if note:
             print(note)
-        _CELLS.append((line, cell))
+        _CELLS.append((_session(cluster), "cell", line, cell))
         if all(v is None for v in values):
             return None
         out = RankValues(values)
@@ -197,7 +203,11 @@ class DDPMagics(Magics):
             name = rest[0]
             if name not in self.shell.user_ns:
                 raise UsageError(f"%ddp push {name}: {name!r} is not defined in the notebook. Define it first.")
-            get_cluster().push(**{name: self.shell.user_ns[name]})
+            import cloudpickle
+
+            cluster = get_cluster()
+            cluster.push(**{name: self.shell.user_ns[name]})
+            _CELLS.append((_session(cluster), "push", name, cloudpickle.dumps({name: self.shell.user_ns[name]})))
             return None
         if cmd == "restart":
             get_cluster().restart()
@@ -213,9 +223,16 @@ class DDPMagics(Magics):
                 raise UsageError("usage: %ddp export PATH")
             from course_utils.engine.export import write_script
 
-            write_script(rest[0], _CELLS)
-            print(f"wrote {len(_CELLS)} %%ddp cells to {rest[0]}; "
-                  f"run it with: torchrun --standalone --nproc-per-node=2 {rest[0]}")
+            if not _CELLS:
+                raise UsageError("%ddp export: no %%ddp cell has run yet: nothing to export.")
+            last = _CELLS[-1][0]
+            kept = [item[1:] for item in _CELLS if item[0] == last]
+            left_out = sum(1 for item in _CELLS if item[0] != last and item[1] == "cell")
+            write_script(rest[0], kept, world_size=last[2], left_out=left_out)
+            cells = sum(1 for item in kept if item[0] == "cell")
+            extra = f" (left out: {left_out} cell(s) run on ranks replaced since)" if left_out else ""
+            print(f"wrote {cells} %%ddp cells to {rest[0]}{extra}; "
+                  f"run it with: torchrun --standalone --nproc-per-node={last[2]} {rest[0]}")
             return None
         raise UsageError(f"%ddp {cmd}: unknown command. "
                          "Use pull NAME, push NAME, restart, status, shutdown or export PATH.")

@@ -68,12 +68,15 @@ def hide_cpp_frames_text(text):
 
 
 def first_failure(errors):
-    """The rank to blame: the lowest rank among the errors that are not just a rank being released
-    from a collective, within a second of the earliest one (so that a bug hitting every rank at
-    once is reported the same way every run)."""
+    """The rank to blame: among the errors that are not just a rank being released from a
+    collective, the lowest rank that raised the same exception at the same place as the earliest
+    one, or within a second of it. A bug that hits every rank is then blamed on the same rank every
+    run, however the ranks were scheduled."""
     causes = {r: e for r, e in errors.items() if not any(m in e["message"] for m in _RELEASED)} or errors
-    earliest = min(e["time"] for e in causes.values())
-    return min(r for r, e in causes.items() if e["time"] <= earliest + 1.0)
+    first = min(causes, key=lambda r: (causes[r]["time"], r))
+    same = (causes[first]["type"], causes[first].get("where"))
+    return min(r for r, e in causes.items()
+               if (e["type"], e.get("where")) == same or e["time"] <= causes[first]["time"] + 1.0)
 
 
 def describe(rank, results, stacks, first):
