@@ -1,19 +1,22 @@
 """course_utils.bench (04_measuring_bandwidth): the nccl-tests formulas, the alpha-beta fit, the
-JSON format lesson 10 reads, and a small real sweep on gloo ranks.
+saved JSON format (written outside the repository), and a small real sweep on gloo ranks.
 
     .venv/bin/python -m pytest tests/test_bench.py -p no:randomly
 """
 import json
 import math
+import subprocess
 import sys
+from pathlib import Path
 
-import cloudpickle
 import pytest
 import torch
+from conftest import register_by_value
 
-from course_utils import Cluster, bench
+from course_utils import bench
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test file
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test file
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- formulas -----------------------------------------------------------------------------------
@@ -98,6 +101,14 @@ def test_save_and_load_round_trip(tmp_path):
     assert set(data["rows"][0]) == {"bytes", "iters", "time_s", "algbw_Bps", "busbw_Bps"}
 
 
+def test_default_path_is_outside_the_repository(tmp_path):
+    assert ROOT not in bench.DEFAULT_PATH.parents, f"{bench.DEFAULT_PATH}: lesson 04 must not write into the repo"
+    code = "from course_utils import bench; print(bench.DEFAULT_PATH)"
+    env = {"MICRO_DDP_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tmp_path / "cache" / "bandwidth.json"), out.stdout + out.stderr
+
+
 def test_load_refuses_another_format(tmp_path):
     path = tmp_path / "bandwidth.json"
     path.write_text(json.dumps({"format": 999}))
@@ -126,9 +137,8 @@ def _small_sweeps():
     }
 
 
-def test_sweep_on_real_ranks():
-    with Cluster(world_size=2, backend="gloo", timeout=60) as c:
-        per_rank = c.run(_small_sweeps)
+def test_sweep_on_real_ranks(make_cluster):
+    per_rank = make_cluster(2, timeout=60).run(_small_sweeps)  # gloo pinned by make_cluster
     assert per_rank[0] == per_rank[1], "every rank must return the same rows (the slowest rank's time)"
     for op, rows in per_rank[0].items():
         assert [r["bytes"] for r in rows] == [4096, 65536], op

@@ -1,0 +1,272 @@
+"""The self-checks of lessons 04 and 05's exercises: the notebook's unmodified scaffold and typical wrong
+answers fail with a reason a learner can act on; the course's solution passes.
+
+    .venv/bin/python -m pytest tests/test_exercises_04_05.py -p no:randomly
+"""
+import math
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import register_by_value
+
+from course_utils import DistributedError, bench
+from course_utils.checks import grad_avg
+from course_utils.checks.grad_avg import check_adam_hides_the_bug, check_grad_averaging
+
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def _cell_defining(notebook, name):
+    """The source of the notebook's cell that defines ``def name(``."""
+    nb = nbformat.read(NOTEBOOKS / notebook, 4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            return cell.source
+    raise AssertionError(f"{notebook} has no cell defining {name}")
+
+
+def _scaffold(notebook, name):
+    """The notebook's scaffold function ``name``, exactly as stored (its definition, executed here)."""
+    source = _cell_defining(notebook, name)
+    definition = re.search(rf"^def {name}\(.*?(?=^\S)", source + "\n#", re.S | re.M).group(0)
+    namespace = {"__name__": __name__, "torch": torch, "dist": dist, "F": F}
+    exec(compile(definition, f"<{notebook}: {name}>", "exec"), namespace)
+    return namespace[name]
+
+
+def test_notebooks_keep_the_solution_switch_on_and_the_scaffolds_empty():
+    for notebook in ("04_measuring_bandwidth.ipynb", "05_manual_gradient_averaging.ipynb"):
+        sources = [c.source for c in nbformat.read(NOTEBOOKS / notebook, 4).cells if c.cell_type == "code"]
+        assert any(s.startswith("USE_SOLUTION = True") for s in sources), f"{notebook}: USE_SOLUTION = True stored"
+        for s in sources:
+            assert "solution_" not in s or "if USE_SOLUTION" in s, f"{notebook}: a solution outside the switch:\n{s}"
+    for name in ("accumulate_and_average", "one_all_reduce", "token_weighted", "make_adam"):
+        assert "raise NotImplementedError" in _cell_defining("05_manual_gradient_averaging.ipynb", name), name
+
+
+# == lesson 04: plain functions of the measured numbers ===========================================
+ROW = {"bytes": 4096, "iters": 20, "time_s": 2e-4, "algbw_Bps": 4096 / 2e-4, "busbw_Bps": 4096 / 2e-4 * 1.5}
+ALPHA, BETA = 3e-4, 1 / 2e9
+
+
+def test_busbw_self_check():
+    with pytest.raises(AssertionError, match="Set my_busbw"):
+        bench.check_busbw(None, ROW, world_size=4)  # the unmodified scaffold
+    algbw = ROW["bytes"] / ROW["time_s"]
+    wrong = {
+        "That is algbw": algbw,
+        "reduce-scatter's or all-gather's": algbw * 3 / 4,
+        "divided algbw by the bus factor": algbw / 1.5,
+        "wrong unit": algbw * 1.5 / 1e9,
+        "the busbw of this row": algbw * 2,
+    }
+    for reason, value in wrong.items():
+        with pytest.raises(AssertionError, match=reason):
+            bench.check_busbw(value, ROW, world_size=4)
+    bench.check_busbw(bench.solution_busbw(ROW, world_size=4), ROW, world_size=4)
+    assert math.isclose(bench.solution_busbw(ROW, 4), ROW["busbw_Bps"]), "the solution is bench's busbw"
+
+
+def test_bucket_times_self_check():
+    with pytest.raises(AssertionError, match="Set my_times"):
+        bench.check_bucket_times({"first": None, "full": None}, ALPHA, BETA)
+    right = bench.solution_bucket_times(ALPHA, BETA)
+    wrong = {
+        "binary": {"first": ALPHA + BETA * 10**6, "full": right["full"]},
+        "left out alpha": {"first": BETA * 2**20, "full": right["full"]},
+        "caps the FIRST bucket at 1 MiB": {"first": right["full"], "full": right["full"]},
+        "what the model predicts": {"first": right["first"], "full": 2 * right["full"]},
+    }
+    for reason, value in wrong.items():
+        with pytest.raises(AssertionError, match=reason):
+            bench.check_bucket_times(value, ALPHA, BETA)
+    bench.check_bucket_times(right, ALPHA, BETA)
+    assert math.isclose(right["first"], ALPHA + BETA * 2**20) and math.isclose(right["full"], ALPHA + BETA * 25 * 2**20)
+
+
+def test_algbw_prediction_self_check():
+    busbw = 6e8
+    with pytest.raises(AssertionError, match="Set my_algbw"):
+        bench.check_algbw_prediction({2: None, 8: None}, busbw)
+    wrong = {
+        "multiplied by the bus factor": {2: busbw * 1.0, 8: busbw * 7 / 4},
+        "the algbw at 4 ranks": {2: busbw / 1.5, 8: busbw / 1.5},
+        "keeps busbw constant": {2: busbw, 8: busbw},
+    }
+    for reason, value in wrong.items():
+        with pytest.raises(AssertionError, match=reason):
+            bench.check_algbw_prediction(value, busbw)
+    right = bench.solution_algbw_prediction(busbw)
+    bench.check_algbw_prediction(right, busbw)
+    assert math.isclose(right[2], busbw) and math.isclose(right[8], busbw * 4 / 7)
+
+
+# == lesson 05: functions that run on real ranks ===================================================
+@pytest.fixture(scope="module")
+def cluster(make_cluster):
+    return make_cluster(4, timeout=60)  # the lesson's 4 ranks; make_cluster pins gloo
+
+
+def _backward_mean(model, micro_batches):
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) / len(micro_batches)).backward()
+
+
+def article_version(model, micro_batches):  # SUM, no / W
+    _backward_mean(model, micro_batches)
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def forgot_accum_steps(model, micro_batches):
+    for x, y in micro_batches:
+        F.mse_loss(model(x), y).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def per_parameter(model, micro_batches):  # right, but one all-reduce per parameter
+    _backward_mean(model, micro_batches)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def flat_without_division(model, micro_batches):  # one all-reduce, SUM, forgot / W
+    _backward_mean(model, micro_batches)
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def flat_not_copied_back(model, micro_batches):  # one all-reduce of a copy, never written back
+    _backward_mean(model, micro_batches)
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+
+
+def local_count(model, micro_batches):
+    n_local = sum(len(x) for x, _ in micro_batches)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y, reduction="sum") / n_local).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def _raises(fn, match, **kwargs):
+    with pytest.raises((AssertionError, DistributedError)) as info:
+        fn(**kwargs)
+    assert re.search(match, str(info.value), re.S), f"expected {match!r} in:\n{info.value}"
+
+
+def test_exercise_1(cluster):
+    scaffold = _scaffold("05_manual_gradient_averaging.ipynb", "accumulate_and_average")
+    _raises(lambda: check_grad_averaging(scaffold, cluster=cluster), r"NotImplementedError.*exercise 1")
+    _raises(lambda: check_grad_averaging(article_version, cluster=cluster), "4x too large: the factor is world_size")
+    _raises(lambda: check_grad_averaging(forgot_accum_steps, cluster=cluster),
+            "3x too large: the factor is accum_steps")
+    check_grad_averaging(grad_avg.solution_accumulate_and_average, cluster=cluster)
+
+
+def test_exercise_2(cluster):
+    scaffold = _scaffold("05_manual_gradient_averaging.ipynb", "one_all_reduce")
+    _raises(lambda: check_grad_averaging(scaffold, cluster=cluster, collectives=1), r"NotImplementedError.*exercise 2")
+    _raises(lambda: check_grad_averaging(per_parameter, cluster=cluster, collectives=1),
+            r"gradients are right, but rank 0 called 4 collectives .*flatten every gradient")
+    _raises(lambda: check_grad_averaging(flat_without_division, cluster=cluster, collectives=1),
+            "4x too large: the factor is world_size")
+    _raises(lambda: check_grad_averaging(flat_not_copied_back, cluster=cluster, collectives=1),
+            "The ranks end with different gradients")
+    check_grad_averaging(grad_avg.solution_one_all_reduce, cluster=cluster, collectives=1)
+
+
+def test_exercise_4(cluster):
+    scaffold = _scaffold("05_manual_gradient_averaging.ipynb", "token_weighted")
+    _raises(lambda: check_grad_averaging(scaffold, cluster=cluster, unequal=True), r"NotImplementedError.*exercise 4")
+    _raises(lambda: check_grad_averaging(grad_avg.solution_accumulate_and_average, cluster=cluster, unequal=True),
+            r"mean of micro-batch means.*reduction='sum'")
+    _raises(lambda: check_grad_averaging(local_count, cluster=cluster, unequal=True),
+            r"divides by its OWN sample count")
+    check_grad_averaging(grad_avg.solution_token_weighted, cluster=cluster, unequal=True)
+
+
+def _article_weights(fix, make_optimizer):
+    """Runs on every rank: lesson 05's article loop in short (K = 2, 5 steps), the flat weights at the end."""
+    from course_utils.data import make_regression
+    from course_utils.models import make_model
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=0).double()
+    optimizer = make_optimizer(model.parameters())
+    x, y = make_regression(n=5 * 64, d_in=16, seed=0, dtype=torch.float64)
+    for step in range(5):
+        batch = slice(step * 64, (step + 1) * 64)
+        xs, ys = x[batch].chunk(world_size)[rank], y[batch].chunk(world_size)[rank]
+        for xb, yb in zip(xs.chunk(2), ys.chunk(2)):
+            (F.mse_loss(model(xb), yb) / 2).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            if fix:
+                p.grad /= world_size
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def test_exercise_3(cluster):
+    scaffold = _scaffold("05_manual_gradient_averaging.ipynb", "make_adam")
+    with pytest.raises(NotImplementedError, match="exercise 3"):
+        scaffold([torch.zeros(1, requires_grad=True)])
+    with pytest.raises(AssertionError, match="Set bad and good"):
+        check_adam_hides_the_bug(None, None)
+    sgd_bad = cluster.run(_article_weights, False, _sgd)[0]
+    sgd_good = cluster.run(_article_weights, True, _sgd)[0]
+    with pytest.raises(AssertionError, match="size of the W-times-too-large gradient under SGD"):
+        check_adam_hides_the_bug(sgd_bad, sgd_good)                      # forgot to switch to Adam
+    adam_bad = cluster.run(_article_weights, False, grad_avg.solution_make_adam)[0]
+    adam_good = cluster.run(_article_weights, True, grad_avg.solution_make_adam)[0]
+    with pytest.raises(AssertionError, match="identical"):
+        check_adam_hides_the_bug(adam_good, adam_good)                   # the same run twice
+    with pytest.raises(AssertionError, match="flat weight tensors"):
+        check_adam_hides_the_bug(adam_bad, adam_good[:-1])
+    check_adam_hides_the_bug(adam_bad, adam_good)
+
+
+# == bench's sentences ================================================================================
+def _rows(times):
+    sizes = [4096 * 4**i for i in range(len(times))]
+    return [{"bytes": s, "iters": 2, "time_s": t, "algbw_Bps": s / t, "busbw_Bps": 1.5 * s / t}
+            for s, t in zip(sizes, times)]
+
+
+def test_describe_race_follows_the_numbers():
+    lib = _rows([1e-3, 1e-3, 2e-3, 8e-3])
+    assert bench.describe_race(lib, _rows([2e-3, 2e-3, 4e-3, 16e-3]))[0].startswith("at the smallest sizes (4 KiB, "
+                                                                                     "16 KiB) the library is faster")
+    hand_small = bench.describe_race(lib, _rows([0.5e-3, 0.5e-3, 2e-3, 8e-3]))
+    assert "the hand ring is faster" in hand_small[0] and "within noise" in hand_small[1], hand_small
+    with pytest.raises(ValueError):
+        bench.describe_race(lib, _rows([1e-3, 1e-3]))
+
+
+def test_describe_busbw_spread():
+    rows = {"all_reduce": {"time_s": 1.0, "busbw_Bps": 3.0}, "reduce_scatter": {"time_s": 1.0, "busbw_Bps": 1.5},
+            "broadcast": {"time_s": 0.5, "busbw_Bps": 6.0}}
+    lines = bench.describe_busbw_spread(rows)
+    assert lines[0] == "busbw spans 4.0x, from reduce_scatter (lowest) to broadcast (highest)", lines
+    assert "1.00x the time of all_reduce" in lines[1] and "whole all-reduce" in lines[1], lines
+    rows["reduce_scatter"]["time_s"] = 0.5
+    assert "does not run a whole all-reduce" in bench.describe_busbw_spread(rows)[1]
