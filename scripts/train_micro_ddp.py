@@ -146,6 +146,7 @@ def main():
     if rank == 0:
         print(f"final_loss={loss.item()!r}", flush=True)
     dist.barrier()  # no rank tears down its connections while a peer still has work in flight
+    del model, optimizer  # their references to the group and its finished works go before the group does
     dist.destroy_process_group()
 
 
