@@ -1,11 +1,35 @@
-"""Project set-up: one list of dependencies, and the commands the README promises."""
+"""Project set-up: one list of dependencies, the README's two commands, and what CI runs.
+
+    .venv/bin/python -m pytest tests/test_project.py -p no:randomly
+
+The Makefile targets are checked with ``make -n`` (print, do not run) and, where behaviour matters
+(a run that collects no tests must fail), run for real on a temporary test directory with
+``-o .venv/.installed`` so that make never re-installs the venv from inside a test.
+"""
+import os
+import platform
 import re
+import shlex
+import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pyproject's test extra)
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+STAMP = ".venv/.installed"  # the Makefile's "venv is installed" marker; -o treats it as up to date
+BASELINE_CPU = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+
+
+def _pyproject():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def _pip_section(text):
@@ -23,7 +47,7 @@ def _pip_section(text):
 
 
 def test_environment_yml_installs_the_same_packages_as_pyproject():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _pyproject()["project"]
     wanted = project["dependencies"] + project["optional-dependencies"]["test"]
     env = (ROOT / "environment.yml").read_text()
     assert re.search(r"^\s*- python=3\.11\s*$", env, re.M), "environment.yml must pin python 3.11"
@@ -37,18 +61,194 @@ def test_environment_yml_installs_the_same_packages_as_pyproject():
 
 
 def test_torch_is_pinned_to_the_cpu_build_version():
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = _pyproject()["project"]["dependencies"]
     torch = [d for d in deps if re.match(r"torch\b", d)]
     assert torch == ["torch==2.13.0"], f"torch must be pinned (an unpinned torch pulls a CUDA build): {torch}"
 
 
-def test_readme_commands_are_what_ci_runs():
+def test_python_version_promise_is_the_same_everywhere():
     readme = (ROOT / "README.md").read_text()
-    assert "make lab" in readme and "make test" in readme
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^make test$", ci, re.M), ".ci/run must run exactly the README's test command"
-    assert "5" in ci and "no tests" in ci, ".ci/run must treat pytest's exit code 5 as a failure"
+    promised = re.search(r"Python (3\.\d+)\+", readme)
+    assert promised, "the README's quick start should say which Python it needs ('Python 3.N+')"
+    project = _pyproject()
+    assert project["project"]["requires-python"] == f">={promised.group(1)}", (
+        f"README promises Python {promised.group(1)}+, pyproject says {project['project']['requires-python']}")
+    target = "py" + promised.group(1).replace(".", "")
+    assert project["tool"]["ruff"]["target-version"] == target, f"ruff should check against {target}"
+    if promised.group(1) == "3.10":
+        assert any(d.startswith("tomli") and "python_version < '3.11'" in d
+                   for d in project["project"]["optional-dependencies"]["test"]), (
+            "tests/test_project.py falls back to tomli on Python 3.10: the test extra must install it there")
 
+
+# ---- the README's two commands ------------------------------------------------------------------
+
+def _make(*args, env=None, timeout=120):
+    if shutil.which("make") is None:
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail("make is not installed: the README's two commands need it")
+        pytest.skip("make is not installed (the README's two commands need it)")
+    return subprocess.run(["make", "--no-print-directory", "-o", STAMP, f"BIN={BIN}", *args], cwd=ROOT,
+                          env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def _dry_run(target, *args):
+    """The recipe lines ``make -n target`` would run, split into argv lists."""
+    run = _make("-n", target, *args)
+    assert run.returncode == 0, f"`make {target}` is not a working Makefile target:\n{run.stdout}{run.stderr}"
+    text = run.stdout.replace("\\\n", " ")
+    return [shlex.split(line) for line in text.splitlines() if line.strip() and not line.startswith("echo ")]
+
+
+def _readme_quick_start():
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Quick start\s*$(.*?)^## ", readme, re.M | re.S)
+    assert section, "README.md has no '## Quick start' section"
+    block = re.search(r"```bash\n(.*?)```", section.group(1), re.S)
+    assert block, "the README's quick start has no ```bash block"
+    commands = {}
+    for line in block.group(1).splitlines():
+        command, _, comment = line.partition("#")
+        if command.strip():
+            commands[command.strip()] = comment.strip()
+    return commands
+
+
+def test_readme_quick_start_is_the_two_make_targets():
+    commands = _readme_quick_start()
+    assert list(commands) == ["make lab", "make test"], f"the README's quick start promises two commands: {commands}"
+    for command, says in commands.items():
+        assert "creates (or reuses) .venv" in says, f"README: `{command}` # {says}"
+        target = command.split()[1]
+        # reuses: with the venv installed, the target runs only its own recipe
+        reuse = _dry_run(target)
+        assert not any("pip" in argv for argv in reuse), f"`{command}` reinstalls an installed venv: {reuse}"
+        # creates: with pyproject.toml newer than the venv, it creates the venv and installs the course first
+        create = subprocess.run(["make", "--no-print-directory", "-n", "-W", "pyproject.toml", target], cwd=ROOT,
+                                capture_output=True, text=True)
+        installs = re.search(r'pip install .*-e "?\.\[test\]', create.stdout)
+        assert re.search(r"-m venv \.venv", create.stdout) and installs, (
+            f"`{command}` must create .venv and install the course (with its test extra) when needed:\n{create.stdout}")
+
+
+def test_make_lab_opens_the_first_lesson_on_loopback():
+    (argv,) = _dry_run("lab")
+    assert argv[:2] == [str(BIN / "jupyter"), "lab"], f"`make lab` should start JupyterLab: {argv}"
+    assert "--ip=127.0.0.1" in argv, f"README: JupyterLab listens on 127.0.0.1 only: {argv}"
+    assert argv[-1] == "notebooks/00_launcher_tour.ipynb", f"README: open 00_launcher_tour first: {argv}"
+
+
+def test_make_test_is_plain_pytest_over_tests_and_notebooks():
+    (argv,) = _dry_run("test")
+    # README's conda route says `python -m pytest` runs "the same tests as make test": no extra arguments.
+    assert argv == [str(BIN / "python"), "-m", "pytest"], f"`make test` should run plain `python -m pytest`: {argv}"
+    options = _pyproject()["tool"]["pytest"]["ini_options"]
+    assert options["testpaths"] == ["tests", "notebooks"], f"make test must run tests/ and notebooks/: {options}"
+    addopts = options["addopts"]
+    assert "--nbval" in addopts.split() and "--nbval-sanitize-with tests/sanitize.cfg" in addopts, (
+        f"make test must run the notebooks under nbval with tests/sanitize.cfg: {options['addopts']}")
+
+
+def _tests_dir(tmp_path, body=None):
+    d = tmp_path / "tests_here"
+    d.mkdir(parents=True)
+    if body is not None:
+        (d / "test_one.py").write_text(body)
+    return d
+
+
+PASSES = "def test_passes():\n    pass\n"
+
+
+@pytest.mark.parametrize("target,variable", [("test", "TESTS"), ("test-baseline-cpu", "NOTEBOOKS")])
+def test_make_targets_fail_when_pytest_collects_nothing(tmp_path, target, variable):
+    empty = _make(target, f"{variable}={_tests_dir(tmp_path)}")
+    assert empty.returncode != 0, f"`make {target}` passed with no tests collected:\n{empty.stdout}{empty.stderr}"
+    assert "no tests ran" in empty.stdout, f"expected pytest's 'no tests ran':\n{empty.stdout}{empty.stderr}"
+
+
+def test_make_test_runs_pytest_on_what_it_is_given(tmp_path):
+    passing = _make("test", f"TESTS={_tests_dir(tmp_path, PASSES)}")
+    assert passing.returncode == 0 and "1 passed" in passing.stdout, (
+        f"`make test TESTS=...` did not run and pass a passing test:\n{passing.stdout}{passing.stderr}")
+
+
+def test_baseline_cpu_target_forces_the_instruction_set_down(tmp_path):
+    body = ("import os, torch\n"
+            "def test_isa():\n"
+            f"    assert {{k: os.environ.get(k) for k in {sorted(BASELINE_CPU)!r}}} == {BASELINE_CPU!r}\n"
+            "    assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'\n")
+    run = _make("test-baseline-cpu", f"NOTEBOOKS={_tests_dir(tmp_path, body)}", timeout=300)
+    assert run.returncode == 0 and "1 passed" in run.stdout, (
+        f"make test-baseline-cpu does not force the kernels down:\n{run.stdout}{run.stderr}")
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MKL and oneDNN's x86 ISAs")
+def test_torch_accepts_the_baseline_cpu_settings():
+    code = ("import torch\n"
+            "print('capability', torch.backends.cpu.get_cpu_capability())\n"
+            "torch.randn(64, 64) @ torch.randn(64, 64)\n"
+            "with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):\n"
+            "    torch.nn.functional.conv2d(torch.randn(8, 64, 28, 28), torch.randn(64, 64, 3, 3))\n")
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MKL_VERBOSE="1", **BASELINE_CPU),
+                         capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "capability DEFAULT" in out, f"ATEN_CPU_CAPABILITY=default was not honoured:\n{out[-2000:]}"
+    if torch_has_mkl():
+        assert re.search(r"MKL_VERBOSE.*\(Intel\(R\) SSE4\.2\) enabled processors", out), (
+            f"MKL_ENABLE_INSTRUCTIONS=SSE4_2 was not honoured:\n{out[-2000:]}")
+    assert re.search(r"onednn_verbose.*isa:Intel SSE4\.1", out), f"ONEDNN_MAX_CPU_ISA=SSE41 was not honoured:\n{out}"
+
+
+def torch_has_mkl():
+    run = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.mkl.is_available())"],
+                         capture_output=True, text=True, timeout=120)
+    return run.stdout.strip() == "True"
+
+
+# ---- CI -----------------------------------------------------------------------------------------
+
+def _ci_copy(tmp_path, make_rc):
+    """.ci/run, verbatim, in a scratch checkout whose `make` records its arguments and exits with ``make_rc``
+    (its install_browser.sh does nothing), so the script's own logic runs without the suite."""
+    ci = tmp_path / "checkout" / ".ci"
+    ci.mkdir(parents=True)
+    shutil.copy2(ROOT / ".ci" / "run", ci / "run")
+    (ci / "install_browser.sh").write_text("echo install_browser: stub\n")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "make").write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/make.calls"\nexit {make_rc}\n')
+    (stubs / "make").chmod(0o755)
+    env = dict(os.environ, PATH=f"{stubs}{os.pathsep}{os.environ['PATH']}")
+    run = subprocess.run(["bash", str(ci / "run")], env=env, capture_output=True, text=True, timeout=60)
+    calls = (tmp_path / "make.calls").read_text().splitlines() if (tmp_path / "make.calls").exists() else []
+    return run, calls
+
+
+@pytest.mark.parametrize("make_rc", [0, 1, 2, 5])
+def test_ci_run_fails_exactly_when_a_test_step_fails(tmp_path, make_rc):
+    run, calls = _ci_copy(tmp_path, make_rc)
+    out = run.stdout + run.stderr
+    if make_rc == 0:
+        assert run.returncode == 0, f".ci/run failed although every step passed:\n{out}"
+        assert [c.split()[0] for c in calls] == ["test", "test-baseline-cpu"], (
+            f".ci/run must run `make test` (the README's command), then `make test-baseline-cpu`: {calls}")
+    else:
+        assert run.returncode != 0, f".ci/run passed although `make test` exited {make_rc}:\n{out}"
+        assert [c.split()[0] for c in calls] == ["test"], f".ci/run went on after a failed `make test`: {calls}"
+
+
+def test_ci_installs_only_debians_chromium():
+    script = (ROOT / ".ci" / "install_browser.sh").read_text()
+    assert re.search(r"apt-get install -y -q chromium\s*$", script, re.M), "install Debian's chromium package"
+    for path in [ROOT / ".ci" / "run", ROOT / ".ci" / "install_browser.sh", ROOT / "Makefile"]:
+        text = path.read_text()
+        assert not re.search(r"playwright\s+install|curl |wget ", text), (
+            f"{path.name} downloads a browser or other files; CI uses Debian's chromium only")
+
+
+# ---- the README's map and the package -----------------------------------------------------------
 
 def test_every_lesson_of_the_readme_map_exists():
     readme = (ROOT / "README.md").read_text()
@@ -64,3 +264,39 @@ def test_package_imports_without_torch_side_effects():
     code = ("import sys, course_utils; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", "importing course_utils must stay cheap: it should not import torch"
+
+
+def test_contributing_states_the_rule_for_stored_outputs():
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    for promise in ["any CPU", "1 to 16 cores", "both backends", "tests/sanitize.cfg", "make test-baseline-cpu"]:
+        assert promise in text, f"CONTRIBUTING.md should state the rule for stored outputs: {promise!r} missing"
+    assert "CONTRIBUTING.md" in (ROOT / "README.md").read_text(), "the README should link CONTRIBUTING.md"
+
+
+def test_every_sanitize_rule_gives_its_reason():
+    import configparser
+
+    from nbval.plugin import get_sanitize_patterns
+    text = (ROOT / "tests" / "sanitize.cfg").read_text()
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read_string(text)
+    assert parser.sections(), "tests/sanitize.cfg has no rule"
+    # nbval reads the file with its own regex (a 'regex:' line directly followed by a 'replace:' line),
+    # not configparser: a rule it cannot read is silently dropped.
+    read_by_nbval = get_sanitize_patterns(text)
+    assert [r for r, _ in read_by_nbval] == [parser[s]["regex"] for s in parser.sections()], (
+        "nbval does not read every [section] of tests/sanitize.cfg: write 'regex: ...' and 'replace: ...' on two "
+        f"consecutive lines, one space after the colon. nbval reads: {read_by_nbval}")
+    lines = text.splitlines()
+    for section in parser.sections():
+        assert set(parser[section]) == {"regex", "replace"}, f"[{section}] needs exactly regex and replace"
+        re.compile(parser[section]["regex"])
+        at = lines.index(f"[{section}]")
+        comment = []
+        for line in reversed(lines[:at]):
+            if not line.startswith("#"):
+                break
+            comment.append(line)
+        assert len(" ".join(comment)) > 40, (
+            f"[{section}] in tests/sanitize.cfg needs a comment right above it saying why it honestly varies "
+            "(see CONTRIBUTING.md)")
