@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil  # a dependency of ipykernel, so always in the venv
+
+from conftest import alive, free_port  # tests/ is on sys.path under pytest
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package, installed by .ci/install_browser.sh
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -31,14 +32,6 @@ LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
 }
-
-
-def _free_port():
-    # jupyter_server reads back a --port=0 port only since 2.20 (older ones advertise port 0),
-    # so probe for a free port here; JupyterLab.start retries if another process takes it first.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class JupyterLab:
@@ -76,7 +69,9 @@ class JupyterLab:
         for var in ("JUPYTER_PATH", "JUPYTER_PLATFORM_DIRS", "JUPYTER_TOKEN", "JUPYTER_PORT", "MPLBACKEND"):
             env.pop(var, None)
         for attempt in range(attempts):
-            self.port = _free_port()
+            # jupyter_server reads back a --port=0 port only since 2.20 (older ones advertise port 0), so probe a
+            # free port; if another process takes it before the server binds it, the loop retries.
+            self.port = free_port()
             cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
                    "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
                    f"--ServerApp.root_dir={self.root}", f"--LabApp.user_settings_dir={settings}",
@@ -171,9 +166,9 @@ class JupyterLab:
         self.proc = None
         deadline = time.monotonic() + timeout
         for p in self._seen.values():
-            while _alive(p) and time.monotonic() < deadline:
+            while alive(p) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if _alive(p):
+            if alive(p):
                 try:
                     leftovers.append(f"pid {p.pid}: {' '.join(p.cmdline())[:200]}")
                     p.kill()
@@ -187,13 +182,6 @@ class JupyterLab:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
-
-
-def _alive(p):
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 # ---- reading a notebook in the page -------------------------------------------------------
@@ -240,10 +228,11 @@ def kernel_state(lab, name):
 def open_notebook(page, lab, name, n_cells, timeout=120.0):
     """Open ``name`` in JupyterLab and wait until all its cells are rendered and its kernel is idle."""
     page.goto(lab.notebook_url(name))
-    _wait(lambda: len(read_cells(page)) == n_cells, timeout,
-          f"{name}'s {n_cells} cells to render (the page shows {len(read_cells(page))})")
-    _wait(lambda: kernel_state(lab, name) == "idle" and kernel_status(page) == "idle", timeout,
-          f"the kernel of {name} to start (server: {kernel_state(lab, name)!r}, page: {kernel_status(page)!r})")
+    wait_for(lambda: len(read_cells(page)) == n_cells, timeout,
+             lambda: f"{name}'s {n_cells} cells to render (the page shows {len(read_cells(page))})")
+    wait_for(lambda: kernel_state(lab, name) == "idle" and kernel_status(page) == "idle", timeout,
+             lambda: f"the kernel of {name} to start (server: {kernel_state(lab, name)!r}, "
+                     f"page: {kernel_status(page)!r})")
 
 
 def menu(page, top, item):
@@ -256,22 +245,25 @@ def _prompts(page):
     return [c["prompt"].strip() for c in read_cells(page) if c["kind"] == "code"]
 
 
-def run_all_cells(page, name, timeout=300.0):
+def run_all_cells(page, lab, name, timeout=300.0):
     """Clear the stored outputs, Run > Run All Cells, and wait until the kernel is idle with no cell queued.
 
     Clearing first means every output the test then reads was produced in this browser session.
     """
     menu(page, "Edit", "Clear Outputs of All Cells")
-    _wait(lambda: all(p in ("", "[ ]:") for p in _prompts(page)), 30, f"the outputs of {name} to clear")
+    wait_for(lambda: all(p in ("", "[ ]:") for p in _prompts(page)), 30, f"the outputs of {name} to clear")
     menu(page, "Run", "Run All Cells")
-    _wait(lambda: any(p not in ("", "[ ]:") for p in _prompts(page)), 30, f"Run All Cells to start in {name}")
+    wait_for(lambda: any(p not in ("", "[ ]:") for p in _prompts(page)), 30, f"Run All Cells to start in {name}")
 
     def finished():
-        return kernel_status(page) == "idle" and "[*]:" not in _prompts(page)
+        # Run All marks every cell it queues [*] at once; a cell's prompt becomes [N] on its execute_reply (or
+        # [ ] when an error aborts the rest of the queue). No [*] left means nothing is queued or running; the
+        # kernel is briefly idle between two queued cells, so idle alone would not do.
+        return ("[*]:" not in _prompts(page) and kernel_status(page) == "idle"
+                and kernel_state(lab, name) == "idle")
 
-    # Idle twice in a row, a second apart: the kernel is briefly idle between two queued cells.
-    _wait(lambda: finished() and (time.sleep(1.0) or finished()), timeout,
-          f"the cells of {name} to finish (kernel {kernel_status(page)!r}, prompts {_prompts(page)})")
+    wait_for(finished, timeout, lambda: f"the cells of {name} to finish (kernel: page {kernel_status(page)!r}, "
+                                        f"server {kernel_state(lab, name)!r}; prompts {_prompts(page)})")
 
 
 def save_notebook(page, lab, name, timeout=30.0):
@@ -279,15 +271,17 @@ def save_notebook(page, lab, name, timeout=30.0):
     path = lab.root / name
     before = path.stat().st_mtime_ns
     menu(page, "File", "Save Notebook")
-    _wait(lambda: path.stat().st_mtime_ns != before and not page.locator(".lm-TabBar-tab.jp-mod-dirty").count(),
-          timeout, f"{name} to be saved")
+    wait_for(lambda: path.stat().st_mtime_ns != before and not page.locator(".lm-TabBar-tab.jp-mod-dirty").count(),
+             timeout, f"{name} to be saved")
     return json.loads(path.read_text())
 
 
-def _wait(predicate, timeout, what):
+def wait_for(predicate, timeout, what):
+    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds, saying ``what`` was awaited (a string,
+    or a function returning one, so that the message shows the state at the deadline)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")

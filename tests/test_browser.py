@@ -6,23 +6,22 @@ Needs /usr/bin/chromium (.ci/install_browser.sh installs it; Playwright drives i
 downloads a browser of its own). Without it the test is skipped, except when CI=true: there a
 skip would hide that the browser test never ran, so it fails. One JupyterLab serves a temporary
 copy of notebooks/ for the whole module, so running cells never modifies the repository.
-Screenshots land in test-artifacts/browser/.
+Screenshots and a timing log go to a temporary directory (printed in the log of the test's setup), or to
+$BROWSER_ARTIFACTS when set (test-artifacts/ is git-ignored for that: BROWSER_ARTIFACTS=test-artifacts/browser).
 """
 import json
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from browser_helpers import (CHROMIUM, CHROMIUM_ARGS, JupyterLab, notebook_panel, open_notebook,
-                             read_cells, run_all_cells, save_notebook)
+                             read_cells, run_all_cells, save_notebook, wait_for)
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
-ARTIFACTS = ROOT / "test-artifacts" / "browser"
 LESSONS = ["00_launcher_tour.ipynb", "10_tradeoffs.ipynb"]
 # The cost-model controls of 10_tradeoffs, by their descriptions; moving any of them redraws the plot.
 CONTROLS = ["world size", "model size", "bandwidth", "latency", "micro-batch", "accum steps", "compression"]
@@ -49,13 +48,21 @@ def lab(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """Where screenshots go: $BROWSER_ARTIFACTS, or a temporary directory (never the repository by default)."""
+    where = os.environ.get("BROWSER_ARTIFACTS")
+    path = Path(where).resolve() if where else tmp_path_factory.mktemp("browser-artifacts")
+    path.mkdir(parents=True, exist_ok=True)
+    print(f"browser test artifacts: {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
 def browser(lab, tmp_path_factory):
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
         _missing("playwright is not installed")
-    shutil.rmtree(ARTIFACTS, ignore_errors=True)
-    ARTIFACTS.mkdir(parents=True)
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
             str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
@@ -67,22 +74,22 @@ def browser(lab, tmp_path_factory):
 class Lesson:
     """One lesson after Run All Cells in the browser: the page, its cells, and the notebook files."""
 
-    def __init__(self, name, page, cells, saved, committed, seconds):
+    def __init__(self, name, page, cells, saved, committed, seconds, artifacts):
         self.name, self.page, self.cells, self.saved, self.committed = name, page, cells, saved, committed
-        self.seconds = seconds
+        self.seconds, self.artifacts = seconds, artifacts
         self.stem = name.removesuffix(".ipynb")
 
     def cell(self, i):
         return notebook_panel(self.page).locator(".jp-Notebook .jp-Cell").nth(i)
 
     def screenshot(self, i, label):
-        path = ARTIFACTS / f"{self.stem}_{label}.png"
+        path = self.artifacts / f"{self.stem}_{label}.png"
         self.cell(i).screenshot(path=str(path))
         return path
 
 
 @pytest.fixture(scope="module")
-def lessons(lab, browser):
+def lessons(lab, browser, artifacts):
     """lessons(name) opens the lesson once per module, runs all its cells and caches what it shows."""
     done = {}
 
@@ -96,14 +103,14 @@ def lessons(lab, browser):
             page.on("pageerror", lambda exc: console.append(f"page error: {exc}"))
             t0 = time.monotonic()
             open_notebook(page, lab, name, len(committed["cells"]))
-            run_all_cells(page, name)
+            run_all_cells(page, lab, name)
             seconds = time.monotonic() - t0
             cells = read_cells(page)
-            page.screenshot(path=str(ARTIFACTS / f"{name.removesuffix('.ipynb')}_after_run_all.png"))
+            page.screenshot(path=str(artifacts / f"{name.removesuffix('.ipynb')}_after_run_all.png"))
             saved = save_notebook(page, lab, name)
-            (ARTIFACTS / f"{name.removesuffix('.ipynb')}_log.txt").write_text(
+            (artifacts / f"{name.removesuffix('.ipynb')}_log.txt").write_text(
                 f"open + run all cells: {seconds:.1f} s\n" + "\n".join(console) + "\n")
-            done[name] = Lesson(name, page, cells, saved, committed, seconds)
+            done[name] = Lesson(name, page, cells, saved, committed, seconds, artifacts)
         return done[name]
 
     return get
@@ -157,10 +164,14 @@ def test_plots_render_as_images(lessons, name):
     if name == "10_tradeoffs.ipynb":
         assert with_plots, f"{name} stores no plot (image/png output): the lesson should draw its cost model"
     for i in with_plots:
-        images = lesson.cells[i]["images"]
-        assert images, f"{name}: cell {i} stores a plot, but the page shows no <img> in its output after Run All"
-        assert all(img["src"].startswith("data:image/png") and img["width"] > 0 and img["height"] > 0
-                   for img in images), f"{name}: cell {i}'s image did not render: {[im['src'][:40] for im in images]}"
+        def images(i=i):
+            return read_cells(lesson.page)[i]["images"]
+
+        # A data: URL decodes asynchronously: wait for the <img> to have a size rather than read it once.
+        wait_for(lambda: images() and all(img["src"].startswith("data:image/png") and img["width"] > 0
+                                          and img["height"] > 0 for img in images()), 30,
+                 lambda: f"{name}: cell {i} stores a plot; the page should show it as a decoded PNG <img> after "
+                         f"Run All, it shows {[(im['src'][:30], im['width'], im['height']) for im in images()]}")
         lesson.screenshot(i, f"cell{i:02d}_plot")
 
 
