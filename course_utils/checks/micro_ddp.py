@@ -229,6 +229,14 @@ def _overlap_problem(case, log, n_params):
             "(async_op=True) from the gradient hooks as soon as the bucket is full, not after backward.")
 
 
+def _agree(problem):
+    """Every rank gets the lowest rank's problem (or None): a rank that stops alone would leave the
+    others waiting in a collective forever."""
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
 def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overlap=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -240,10 +248,15 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
     except Exception as exc:  # noqa: BLE001
         return f"{case}: " + _raised("constructing your wrapper", exc)
     torch_ddp = DDP(_make(kind, seed=7), bucket_cap_mb=bucket_cap_mb)
+    problem = None
     for (name, p), q in zip(theirs.module.named_parameters(), torch_ddp.module.parameters()):
         if not torch.equal(p, q):
-            return (f"{case}: right after construction, parameter {name!r} differs from rank 0's. "
-                    "Broadcast rank 0's parameters (frozen ones too) and buffers in __init__.")
+            problem = (f"{case}: right after construction, parameter {name!r} differs from rank 0's. "
+                       "Broadcast rank 0's parameters (frozen ones too) and buffers in __init__.")
+            break
+    problem = _agree(problem)
+    if problem:
+        return problem
     local = _make(kind, seed=7)
     opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
             for m in (theirs, torch_ddp, local)]
@@ -276,21 +289,28 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
                         h.remove()
                 if watch:
                     watched = log
-        for (name, p), q, l in zip(theirs.module.named_parameters(), torch_ddp.module.parameters(), local.parameters()):
-            if q.grad is None:
-                if p.grad is not None:
-                    return (f"{case}, step {step}: {name} is frozen (requires_grad=False) but has a .grad: leave "
-                            "frozen parameters out of the buckets and the hooks.")
-                continue
-            if p.grad is None:
-                return f"{case}, step {step}: {name}.grad is None after backward."
-            if not torch.allclose(p.grad, q.grad, rtol=0, atol=TOL):
-                return f"{case}, step {step}: " + _diagnose(name, p.grad, q.grad, l.grad, ws)
+        problem = _agree(_grad_problem(case, step, theirs, torch_ddp, local, ws))
+        if problem:
+            return problem
         for opt in opts:
             opt.step()
         local.load_state_dict(torch_ddp.module.state_dict())  # the local grad is the same step's, per rank
     if overlap:
-        return _overlap_problem(case, watched, len(trainable))
+        return _agree(_overlap_problem(case, watched, len(trainable)))
+    return None
+
+
+def _grad_problem(case, step, theirs, torch_ddp, local, ws):
+    for (name, p), q, l in zip(theirs.module.named_parameters(), torch_ddp.module.parameters(), local.parameters()):
+        if q.grad is None:
+            if p.grad is not None:
+                return (f"{case}, step {step}: {name} is frozen (requires_grad=False) but has a .grad: leave "
+                        "frozen parameters out of the buckets and the hooks.")
+            continue
+        if p.grad is None:
+            return f"{case}, step {step}: {name}.grad is None after backward."
+        if not torch.allclose(p.grad, q.grad, rtol=0, atol=TOL):
+            return f"{case}, step {step}: " + _diagnose(name, p.grad, q.grad, l.grad, ws)
     return None
 
 

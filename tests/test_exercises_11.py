@@ -1,0 +1,269 @@
+"""The self-checks of 11_capstone_micro_ddp's exercises, fed the unmodified scaffold, typical wrong
+answers and near misses (each must fail with a reason a learner can act on) and the course's
+solution (which must pass). Real gloo ranks.
+
+    .venv/bin/python -m pytest tests/test_exercises_11.py -p no:randomly
+"""
+import contextlib
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conftest import register_by_value
+
+register_by_value(sys.modules[__name__])  # the wrong answers below run on the ranks
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "11_capstone_micro_ddp.ipynb"
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster):
+    return make_cluster(2, timeout=120)
+
+
+def _verdict(check, *args, **kwargs):
+    """None if the check passed, else its AssertionError's message (on every rank)."""
+    with contextlib.redirect_stdout(None):
+        try:
+            check(*args, **kwargs)
+        except AssertionError as exc:
+            return str(exc)
+    return None
+
+
+def _cell(marker):
+    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if marker in c.source]
+    assert len(cells) == 1, f"expected one cell of {NOTEBOOK.name} containing {marker!r}, found {len(cells)}"
+    return cells[0]
+
+
+# -- exercise 1: a compressor of your own (check_compressor) --------------------------------------
+
+def _run_exercise_cell(source):
+    """Run the notebook's exercise cell as the ranks would, with USE_SOLUTION as the source sets it."""
+    import torch
+    import torch.distributed as dist
+
+    body = "\n".join(line for line in source.splitlines() if not line.startswith("%%ddp"))
+    namespace = {"torch": torch, "dist": dist, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    with contextlib.redirect_stdout(None):
+        try:
+            exec(compile(body, "exercise-1-cell", "exec"), namespace)
+        except AssertionError as exc:
+            return str(exc)
+    return None
+
+
+def test_exercise_1_cell_passes_with_the_solution_and_its_scaffold_fails(cluster):
+    source = _cell("class MyFp16")
+    assert "USE_SOLUTION = True" in source, "the stored notebook must run the course's solution"
+    assert cluster.run(_run_exercise_cell, source) == [None, None], "the course's solution must pass"
+    verdict = cluster.run(_run_exercise_cell, source.replace("USE_SOLUTION = True", "USE_SOLUTION = False"))[0]
+    assert verdict and "NotImplementedError" in verdict and "write MyFp16.start" in verdict, verdict
+
+
+class ArticleHook:  # the article's "compression", ported to run: times 0.5, all-reduce, divide by 0.5
+    def start(self, flat, bucket, group):
+        half = flat * 0.5
+        work = dist.all_reduce(half, group=group, async_op=True)
+        return work, lambda: flat.copy_(half / 0.5)
+
+
+class ArticleHookDivided:  # the same, with the division by world size added: still fp32 on the wire
+    def start(self, flat, bucket, group):
+        half = flat * 0.5 / dist.get_world_size(group)
+        work = dist.all_reduce(half, group=group, async_op=True)
+        return work, lambda: flat.copy_(half / 0.5)
+
+
+class Fp16NoCopyBack:  # sends fp16, but the result never comes back into the bucket
+    def start(self, flat, bucket, group):
+        low = flat.div(dist.get_world_size(group)).half()
+        return dist.all_reduce(low, group=group, async_op=True), None
+
+
+class Fp16Sum:  # casts and sends, forgets the division
+    def start(self, flat, bucket, group):
+        low = flat.half()
+        return dist.all_reduce(low, group=group, async_op=True), lambda: flat.copy_(low)
+
+
+class Bf16:  # a near miss for max_rel_error=1e-3: right idea, 8 significant bits only
+    def start(self, flat, bucket, group):
+        low = flat.div(dist.get_world_size(group)).bfloat16()
+        return dist.all_reduce(low, group=group, async_op=True), lambda: flat.copy_(low)
+
+
+def _compressor_verdict(compressor):
+    from course_utils.checks import check_compressor
+
+    return _verdict(check_compressor, compressor, max_rel_error=1e-3)
+
+
+@pytest.mark.parametrize("compressor, words", [
+    (ArticleHook(), ["world_size x the average", "divide by world_size"]),
+    (ArticleHookDivided(), ["as many as fp32", "32-bit", "Change the dtype"]),
+    (Fp16NoCopyBack(), ["this rank's own gradient", "copy them into flat"]),
+    (Fp16Sum(), ["world_size x the average"]),
+    (Bf16(), ["off the average by", "allowed 0.001", "more bits"]),
+], ids=["article-hook", "article-hook-divided", "no-copy-back", "fp16-sum", "bf16-near-miss"])
+def test_check_compressor_explains_wrong_answers(cluster, compressor, words):
+    verdict = cluster.run(_compressor_verdict, compressor)[0]
+    assert verdict, f"{type(compressor).__name__} must fail check_compressor(max_rel_error=1e-3)"
+    for w in words:
+        assert w in verdict, f"the verdict should mention {w!r}: {verdict}"
+
+
+def test_check_compressor_passes_the_solution_and_bf16_at_its_tolerance(cluster):
+    from course_utils.micro_ddp import Cast
+
+    assert cluster.run(_compressor_verdict, Cast(torch.float16)) == [None, None]
+    assert cluster.run(lambda c: _verdict(__import__("course_utils.checks", fromlist=["x"]).check_compressor, c,
+                                          max_rel_error=1e-2), Bf16()) == [None, None], "bf16 is within 1e-2"
+
+
+# -- check_micro_ddp: wrappers that are wrong, or right but do not overlap -------------------------
+
+class _Wrapper(nn.Module):
+    """Shared plumbing of the hand-written wrong wrappers: broadcast, hooks, no_sync."""
+
+    def __init__(self, module, bucket_cap_mb=25, broadcast=True):
+        super().__init__()
+        from course_utils.micro_ddp import broadcast_state
+
+        self.module = module
+        if broadcast:
+            broadcast_state(module)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.hook)
+        self.require_backward_grad_sync = True
+
+    def forward(self, *args, **kwargs):
+        self.sync, self.queued = self.require_backward_grad_sync, False
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+
+class AfterBackward(_Wrapper):
+    """Numerically right, but every all-reduce starts after backward has finished: no overlap."""
+
+    def hook(self, p):
+        if self.sync and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self):
+        for p in self.params:
+            p.grad /= dist.get_world_size()
+            dist.all_reduce(p.grad)
+
+
+class BlockingHooks(_Wrapper):
+    """Numerically right, all-reduces during backward, but blocking: backward waits for each one."""
+
+    def hook(self, p):
+        if self.sync:
+            p.grad /= dist.get_world_size()
+            dist.all_reduce(p.grad)
+
+
+class NoBroadcast(BlockingHooks):
+    def __init__(self, module, bucket_cap_mb=25):
+        super().__init__(module, bucket_cap_mb, broadcast=False)
+
+
+class PerParameterAsync(_Wrapper):
+    """Another correct design: one async all-reduce per gradient, launched from its hook, waited at the end."""
+
+    def hook(self, p):
+        if not self.sync:
+            return
+        if not self.queued:
+            self.queued, self.works = True, []
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        p.grad /= dist.get_world_size()
+        self.works.append(dist.all_reduce(p.grad, async_op=True))
+
+    def finish(self):
+        for work in self.works:
+            work.wait()
+
+
+def frozen_after_wrapping(module, bucket_cap_mb):
+    """Buckets built while every parameter still required grad: the frozen one's bucket never fills."""
+    from course_utils.micro_ddp import MicroDDP
+
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    wrapper = MicroDDP(module, bucket_cap_mb)
+    for p in frozen:
+        p.requires_grad_(False)
+    return wrapper
+
+
+class _NoDivide:
+    def start(self, flat, bucket, group):
+        return dist.all_reduce(flat, group=group, async_op=True), None
+
+
+class _Fp64:  # all-reduce in float64: differs from torch DDP by rounding only (a near miss that must pass)
+    def start(self, flat, bucket, group):
+        wide = flat.double()
+        work = dist.all_reduce(wide, group=group, async_op=True)
+        return work, lambda: flat.copy_(wide / dist.get_world_size(group))
+
+
+def _micro_ddp_verdict(kind):
+    import torch
+
+    from course_utils import micro_ddp as ref
+    from course_utils.checks import check_micro_ddp
+
+    makers = {
+        "after-backward": AfterBackward,
+        "blocking-hooks": BlockingHooks,
+        "no-broadcast": NoBroadcast,
+        "frozen-after-wrapping": frozen_after_wrapping,
+        "per-parameter-async": PerParameterAsync,
+        "no-divide": lambda m, cap: ref.MicroDDP(m, cap, compressor=_NoDivide()),
+        "bf16-near-miss": lambda m, cap: ref.MicroDDP(m, cap, compressor=ref.Cast(torch.bfloat16)),
+        "fp16-near-miss": lambda m, cap: ref.MicroDDP(m, cap, compressor=ref.Cast(torch.float16)),
+        "fp64-rounding": lambda m, cap: ref.MicroDDP(m, cap, compressor=_Fp64()),
+        "solution": lambda m, cap: ref.MicroDDP(m, cap),
+    }
+    return _verdict(check_micro_ddp, makers[kind])
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("after-backward", ["numerically right", "overlap", "from the gradient hooks"]),
+    ("blocking-hooks", ["numerically right", "block", "async_op=True"]),
+    ("no-broadcast", ["right after construction", "Broadcast rank 0's parameters"]),
+    ("frozen-after-wrapping", ["a model with a frozen parameter", "raised RuntimeError", "net.0.bias"]),
+    ("no-divide", ["world_size x the average", "divide by world_size"]),
+    ("bf16-near-miss", ["tolerance 1e-06", "16 bits"]),
+    ("fp16-near-miss", ["tolerance 1e-06", "16 bits"]),
+])
+def test_check_micro_ddp_explains_wrong_wrappers(cluster, kind, words):
+    verdict = cluster.run(_micro_ddp_verdict, kind)[0]
+    assert verdict, f"{kind} must fail check_micro_ddp"
+    for w in words:
+        assert w in verdict, f"the verdict on {kind} should mention {w!r}: {verdict}"
+
+
+@pytest.mark.parametrize("kind", ["solution", "per-parameter-async", "fp64-rounding"])
+def test_check_micro_ddp_passes_the_solution_and_rounding_differences(cluster, kind):
+    assert cluster.run(_micro_ddp_verdict, kind) == [None, None]
