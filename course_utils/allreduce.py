@@ -20,7 +20,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["naive_all_reduce", "ring_all_reduce", "chunked_ring_all_reduce", "count_sent_bytes"]
+__all__ = ["naive_all_reduce", "ring_all_reduce", "chunked_ring_all_reduce", "count_sent_bytes",
+           "chunked_ring_sent_bytes"]
 
 
 def naive_all_reduce(tensor):
@@ -97,6 +98,19 @@ def chunked_ring_all_reduce(tensor):
         step((rank + 1 - s) % world_size, (rank - s) % world_size, add=False)
     if flat.data_ptr() != tensor.data_ptr():       # a non-contiguous tensor was reduced in a copy
         tensor.copy_(flat.view_as(tensor))
+
+
+def chunked_ring_sent_bytes(numel, world_size, rank, element_size=4):
+    """The bytes ``rank`` sends in ``chunked_ring_all_reduce`` of ``numel`` elements, from the schedule alone.
+
+    Solution of exercise 2 in 03_all_reduce_by_hand: list the chunk rank r sends in every step
+    (reduce-scatter step s: chunk (r - s) % n; all-gather step s: chunk (r + 1 - s) % n) and add up
+    their lengths, as ``tensor_split`` cuts them.
+    """
+    n = world_size
+    lengths = [len(c) for c in torch.empty(numel).tensor_split(n)]
+    sent = [(rank - s) % n for s in range(n - 1)] + [(rank + 1 - s) % n for s in range(n - 1)]
+    return sum(lengths[c] for c in sent) * element_size
 
 
 @contextmanager

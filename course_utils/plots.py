@@ -187,15 +187,19 @@ def plot_gradient_shards(shard_grads, full_grad, mean_grad=None, n_show=12, titl
     return _finish(fig, show)
 
 
-def plot_throughput(world_sizes, samples_per_step, step_seconds, title=None, show=True):
+def plot_throughput(world_sizes, samples_per_step, step_seconds, title=None, show=True, comm_seconds=None):
     """Two panels: samples per optimizer step, and measured samples per second, by world size.
 
     Introduced in 01_data_parallelism. ``step_seconds`` are measured wall times of one step
-    (the slowest rank's, since every rank waits for the all-reduce).
+    (the slowest rank's, since every rank waits for the all-reduce). With ``comm_seconds`` (the
+    part of each step spent in communication) a third panel splits each step into compute and
+    communication.
     """
     world_sizes = list(world_sizes)
     per_s = [n / t for n, t in zip(samples_per_step, step_seconds)]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3))
+    panels = 2 if comm_seconds is None else 3
+    fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3))
+    a1, a2 = axes[0], axes[1]
     labels = [str(w) for w in world_sizes]
     a1.bar(labels, samples_per_step, color="#4C72B0")
     a1.set_xlabel("world size")
@@ -205,6 +209,16 @@ def plot_throughput(world_sizes, samples_per_step, step_seconds, title=None, sho
     a2.set_xlabel("world size")
     a2.set_ylabel("samples per second")
     a2.set_title("throughput (measured here)")
+    if comm_seconds is not None:
+        a3 = axes[2]
+        comm_ms = [1e3 * c for c in comm_seconds]
+        compute_ms = [1e3 * (t - c) for t, c in zip(step_seconds, comm_seconds)]
+        a3.bar(labels, compute_ms, color="#8172B2", label="compute (forward + backward)")
+        a3.bar(labels, comm_ms, bottom=compute_ms, color="#C44E52", label="all-reduce + step")
+        a3.set_xlabel("world size")
+        a3.set_ylabel("ms per step")
+        a3.set_title("one step, split (measured here)")
+        a3.legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

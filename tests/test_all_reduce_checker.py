@@ -5,36 +5,21 @@ catches each classic mistake with a plain-words reason, and the byte counter cou
 """
 import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 
-from course_utils import Cluster
 from course_utils.allreduce import chunked_ring_all_reduce, count_sent_bytes, naive_all_reduce, ring_all_reduce
 from course_utils.checks import check_all_reduce
+from conftest import register_by_value
 
-try:  # the ranks cannot import this test file: send its functions by value
-    from conftest import register_by_value
-except ImportError:  # an older conftest without the helper
-    register_by_value = cloudpickle.register_pickle_by_value
-register_by_value(sys.modules[__name__])
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test file
 
 
 @pytest.fixture(scope="module")
-def clusters(request):
-    """Gloo clusters of 2, 3 and 4 ranks for this module (conftest's make_cluster when it exists)."""
-    try:
-        make = request.getfixturevalue("make_cluster")
-    except pytest.FixtureLookupError:
-        make = None
-    if make is not None:
-        yield {n: make(world_size=n) for n in (2, 3, 4)}
-        return
-    made = {n: Cluster(world_size=n, backend="gloo", timeout=30) for n in (2, 3, 4)}
-    yield made
-    for c in made.values():
-        c.shutdown()
+def clusters(make_cluster):
+    """Gloo clusters of 2, 3 and 4 ranks, shared by this module (conftest's make_cluster)."""
+    return {n: make_cluster(world_size=n, timeout=30) for n in (2, 3, 4)}
 
 
 # -- wrong implementations, one classic mistake each -------------------------------------------

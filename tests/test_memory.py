@@ -4,7 +4,6 @@
 """
 import sys
 
-import cloudpickle
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,7 +11,9 @@ from torch import nn
 from course_utils.memory import MEMORY_KINDS, ActivationMeter, format_bytes, measure_step_memory, tensor_bytes
 from course_utils.models import make_model
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+from conftest import register_by_value  # noqa: E402
+
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
 
 def mlp(d_in=8, d_hidden=32, seed=0):

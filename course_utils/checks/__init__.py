@@ -1,6 +1,9 @@
 """Checkers that explain in plain words what is wrong. Each lives in its own module:
 
-- ``check_all_reduce`` (03_all_reduce_by_hand), in ``checks.all_reduce``
+- ``check_activation_predictions``, ``check_optimizer_state_predictions`` (01_data_parallelism) and
+  ``check_all_reduce_in_two_halves``, ``check_ring_shift``, ``check_gather_to_rank0``
+  (02_collectives_sandbox), in ``checks.basics``
+- ``check_all_reduce``, ``check_sent_bytes_prediction`` (03_all_reduce_by_hand), in ``checks.all_reduce``
 - ``check_grad_averaging`` (05_manual_gradient_averaging), in ``checks.grad_avg``
 - ``check_comm_hook`` (08_comm_hooks), in ``checks.comm_hook``
 - ``check_broadcast_state``, ``check_assign_buckets``, ``check_start_allreduce``, ``check_micro_ddp``,
@@ -17,7 +20,7 @@ frames). Importing from the submodule gives the unwrapped function.
 """
 import functools
 
-MODULES = ("all_reduce", "comm_hook", "grad_avg", "micro_ddp", "zero")
+MODULES = ("all_reduce", "basics", "comm_hook", "grad_avg", "micro_ddp", "zero")
 
 _WRAPPED = {}  # name -> wrapped checker, so every import returns the same object
 

@@ -20,7 +20,7 @@ what it sent. ``bandwidth_optimal=False`` accepts any correct all-reduce.
 """
 import torch
 
-__all__ = ["check_all_reduce", "send_bound", "cluster", "close_clusters", "CASES"]
+__all__ = ["check_all_reduce", "check_sent_bytes_prediction", "send_bound", "cluster", "close_clusters", "CASES"]
 
 # (dtype, shape): the first case is the easy one, so basic mistakes show on it
 CASES = (
@@ -314,3 +314,49 @@ def check_all_reduce(impl, *, bandwidth_optimal=True, clusters=None, world_sizes
                 cluster_n.run(_remove_guard)
             except Exception:
                 pass
+
+
+def _sent_bytes(numel):
+    from course_utils.allreduce import chunked_ring_all_reduce, count_sent_bytes
+
+    t = torch.ones(numel)
+    with count_sent_bytes() as sent:
+        chunked_ring_all_reduce(t)
+    return sent["bytes"]
+
+
+def check_sent_bytes_prediction(prediction, rank=1, numel=10, world_size=4, *, clusters=None):
+    """Exercise 2 of 03_all_reduce_by_hand: the bytes ``rank`` sends in the chunked ring for a float32 tensor of
+    ``numel`` values on ``world_size`` ranks, compared with a count on real ranks (``count_sent_bytes``).
+
+    The message of a wrong prediction says which reasoning it matches, never the count itself.
+    """
+    __tracebackhide__ = True
+    if prediction is None:
+        raise AssertionError("prediction is still None: set it to your answer, in bytes, then run the cell again.")
+    if not isinstance(prediction, (int, float)) or isinstance(prediction, bool):
+        raise AssertionError(f"prediction should be a number of bytes, got {type(prediction).__name__}.")
+    counted = cluster(world_size, clusters).run(_sent_bytes, numel)[rank]
+    if prediction == counted:
+        return
+    n, size, r = world_size, numel * 4, rank
+    lengths = [len(c) for c in torch.empty(numel).tensor_split(n)]
+    scatter = sum(lengths[(r - s) % n] for s in range(n - 1)) * 4
+    gather = sum(lengths[(r + 1 - s) % n] for s in range(n - 1)) * 4
+    if prediction == 2 * (n - 1) * size / n:
+        why = ("that is 2(n-1)/n x S, exact only when n divides the length. Here tensor_split makes chunks of "
+               f"{', '.join(map(str, lengths))} values: which chunk does rank {r} send in each step?")
+    elif prediction == (n - 1) * size:
+        why = "that is what the whole-tensor ring sends, (n-1) x S: the chunked ring sends one chunk per step."
+    elif prediction == 2 * (n - 1) * max(lengths) * 4:
+        why = f"that assumes every chunk rank {r} sends is a long one: list the chunk of each of its 2(n-1) steps."
+    elif prediction == 2 * (n - 1) * min(lengths) * 4:
+        why = f"that assumes every chunk rank {r} sends is a short one: list the chunk of each of its 2(n-1) steps."
+    elif prediction in (scatter, gather):
+        why = f"that counts one phase only: rank {r} sends n-1 chunks in reduce-scatter AND n-1 in all-gather."
+    elif prediction * 4 == counted:
+        why = "that looks like a count of values: float32 values are 4 bytes each."
+    else:
+        why = (f"use the schedule of section 4: in reduce-scatter step s rank {r} sends chunk ({r} - s) % n, in "
+               f"all-gather step s chunk ({r} + 1 - s) % n; add up those chunks' lengths, 4 bytes per value.")
+    raise AssertionError(f"prediction = {prediction} bytes is not what rank {r} sends: {why}")

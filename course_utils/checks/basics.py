@@ -1,0 +1,314 @@
+"""Self-checks of the exercises in 01_data_parallelism and 02_collectives_sandbox, and the course's solutions.
+
+Call the checks from the notebook process (not inside ``%%ddp``)::
+
+    from course_utils.checks import check_ring_shift
+    check_ring_shift(ring_shift)          # quiet when right, AssertionError saying what is wrong
+
+The collective exercises of lesson 02 run the learner's function on 4 gloo ranks (the ``%%ddp``
+cluster when it has 4 gloo ranks, else one the checker starts and keeps), with the functions of
+``torch.distributed`` that it calls recorded. The functions use ``dist.get_rank()`` and
+``dist.get_world_size()``, since they are defined in the notebook, not on the ranks. ``clusters``
+({4: Cluster}) lets a test pass its own cluster.
+
+The ``solution_*`` functions are the course's answers: the notebooks use them only while
+``USE_SOLUTION = True``. Try your own first.
+"""
+import torch
+
+__all__ = ["check_activation_predictions", "check_optimizer_state_predictions", "check_all_reduce_in_two_halves",
+           "check_ring_shift", "check_gather_to_rank0", "solution_activation_predictions",
+           "solution_optimizer_state", "solution_all_reduce_in_two_halves", "solution_ring_shift",
+           "solution_gather_to_rank0"]
+
+WORLD_SIZE = 4
+
+
+# -- 01_data_parallelism ------------------------------------------------------------------------
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_activation_predictions(predicted_4_ranks, predicted_1_device_accum_4, measured):
+    """Exercise 1 of 01_data_parallelism: activation bytes per device for a global batch of 256, on 4 ranks
+    and on one device with ``accum_steps = 4``, compared with the measurements ``measured[rank, world_size,
+    micro_batch_size]`` of the lesson (rank 0's)."""
+    __tracebackhide__ = True
+    names = {"predicted_4_ranks": predicted_4_ranks, "predicted_1_device_accum_4": predicted_1_device_accum_4}
+    for name, value in names.items():
+        if value is None:
+            raise AssertionError(f"{name} is still None: set it to your prediction, in bytes, computed from "
+                                 "act_per_sample (the activation bytes of one sample), then run the cell again.")
+        if not _is_number(value):
+            raise AssertionError(f"{name} should be a number of bytes, got {type(value).__name__}.")
+    per_sample = measured[0, 1, 64]["activations"] / 64
+    truth = {"predicted_4_ranks": measured[0, 4, 64]["activations"],
+             "predicted_1_device_accum_4": measured[0, 1, 64]["activations"]}
+    for name, value in names.items():
+        if value == truth[name]:
+            continue
+        samples = value / per_sample
+        if abs(samples - 256) < 1e-6:
+            why = ("that is the activations of all 256 samples of the global batch. "
+                   + ("Each of the 4 ranks runs forward and backward on its own micro-batch only."
+                      if name == "predicted_4_ranks" else
+                      "With accumulation, backward frees a micro-batch's activations before the next forward "
+                      "runs, so only one micro-batch is alive at a time."))
+        elif abs(samples - 1024) < 1e-6 or abs(samples - 4) < 1e-6 or abs(samples - 16) < 1e-6:
+            why = "check how many samples one device holds at once: the global batch, split how?"
+        else:
+            why = (f"that is {samples:g} samples' worth of activations. Activations are linear in the number of "
+                   "samples a device holds at once: how many is that here?")
+        raise AssertionError(f"{name} is not right: {why}")
+
+
+def check_optimizer_state_predictions(predicted, n_params):
+    """Exercise 2 of 01_data_parallelism: optimizer state in bytes of ``SGD`` and ``SGD + momentum`` on the
+    lesson's bigger MLP (64 -> 512 -> 1), measured here with ``measure_step_memory``."""
+    __tracebackhide__ = True
+    import torch.nn.functional as F
+
+    from course_utils.data import make_regression
+    from course_utils.memory import measure_step_memory
+    from course_utils.models import make_model
+
+    if not isinstance(predicted, dict) or set(predicted) != {"SGD", "SGD + momentum"}:
+        raise AssertionError('predicted should be a dict with the keys "SGD" and "SGD + momentum" (bytes).')
+    makers = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1),
+              "SGD + momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}
+    xb, yb = make_regression(n=64, d_in=64, seed=0)
+    for name, make_optimizer in makers.items():
+        value = predicted[name]
+        if value is None:
+            raise AssertionError(f'predicted["{name}"] is still None: set it to your prediction in bytes '
+                                 "(n_params holds the number of parameters; float32 is 4 bytes), then run the cell.")
+        if not _is_number(value):
+            raise AssertionError(f'predicted["{name}"] should be a number of bytes, got {type(value).__name__}.')
+        net = make_model(seed=0, d_in=64, d_hidden=512)
+        got = measure_step_memory(net, make_optimizer(net.parameters()), F.mse_loss, xb, yb)["optimizer_state"]
+        if value == got:
+            continue
+        per_param = value / n_params
+        if name == "SGD":
+            why = (f"you predicted {per_param:g} bytes per parameter. Plain SGD computes p -= lr * grad from the "
+                   "gradient alone: what does it need to remember between steps?")
+        elif value > got:
+            why = (f"too high ({per_param:g} bytes per parameter). Momentum keeps one running buffer per "
+                   "parameter (Adam keeps two: exp_avg and exp_avg_sq). How many bytes is one float32 copy?")
+        else:
+            why = (f"too low ({per_param:g} bytes per parameter). SGD with momentum must remember the running "
+                   "velocity of every parameter between steps.")
+        raise AssertionError(f'predicted["{name}"] is not right: {why}')
+
+
+def solution_activation_predictions(act_per_sample):
+    """The course's answer to exercise 1 of 01: each rank holds 256 / 4 = 64 samples at once; one device with
+    accum_steps = 4 holds one micro-batch of 64 at a time (backward frees it before the next forward)."""
+    return act_per_sample * 256 / 4, act_per_sample * 64
+
+
+def solution_optimizer_state(n_params):
+    """The course's answer to exercise 2 of 01: plain SGD keeps nothing; momentum keeps one float32 buffer
+    (``momentum_buffer``) per parameter."""
+    return {"SGD": 0, "SGD + momentum": 4 * n_params}
+
+
+# -- 02_collectives_sandbox: the course's solutions ---------------------------------------------
+def solution_all_reduce_in_two_halves(x):
+    """SUM all-reduce of ``x`` from reduce_scatter and all_gather (numel divisible by the world size)."""
+    import torch.distributed as dist
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    chunks = list(x.chunk(world_size))
+    mine = torch.zeros_like(chunks[rank])
+    dist.reduce_scatter(mine, chunks)               # half 1: rank r owns the sum of chunk r
+    pieces = [torch.zeros_like(c) for c in chunks]
+    dist.all_gather(pieces, mine)                   # half 2: everyone collects every owner's chunk
+    return torch.cat(pieces)
+
+
+def solution_ring_shift(x):
+    """Two steps around the ring: send to the right neighbour, receive from the left one, then pass on what
+    arrived. Each rank ends with the tensor of rank (rank - 2) % world_size."""
+    import torch.distributed as dist
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    send = x
+    for _ in range(2):
+        buf = torch.zeros_like(x)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, buf, left)])
+        for req in reqs:
+            req.wait()                              # buf is ours only after this
+        send = buf                                  # step 2 passes on what step 1 brought
+    return buf
+
+
+def solution_gather_to_rank0(x):
+    """Every rank's ``x`` on rank 0, in rank order; the other ranks pass no list and return None."""
+    import torch.distributed as dist
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    gather_list = [torch.zeros_like(x) for _ in range(world_size)] if rank == 0 else None   # only dst allocates
+    dist.gather(x, gather_list, dst=0)
+    return gather_list
+
+
+# -- 02_collectives_sandbox: running the learner's function on the ranks ------------------------
+def _start(rank, n=3, dtype=torch.float32):
+    return torch.arange(n, dtype=dtype) + 10 * rank
+
+
+def _on_rank(fn, case):
+    """On every rank: call ``fn`` on this rank's input, record collectives and what came back."""
+    import torch.distributed as dist
+
+    from course_utils.checks import all_reduce as guard
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if case == "two_halves":
+        x = _start(rank, 2 * n)
+    elif case == "two_halves_long":
+        x = torch.randn(6 * n, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    else:
+        x = _start(rank)
+    given = x.clone()
+    guard._install_guard()
+    try:
+        guard._CALLED.clear()
+        guard._SENT.update(bytes=0, messages=0, depth=0)
+        returned = fn(x)
+        messages = guard._SENT["messages"]
+        called = list(dict.fromkeys(guard._CALLED))
+    finally:
+        guard._remove_guard()
+    if isinstance(returned, (list, tuple)):
+        returned = [t.clone() if torch.is_tensor(t) else t for t in returned]
+    elif torch.is_tensor(returned):
+        returned = returned.clone()
+    return {"given": given, "x_after": x, "returned": returned, "collectives": called, "messages": messages}
+
+
+def _run(fn, case, clusters=None, timeout=20):
+    __tracebackhide__ = True
+    from course_utils import DistributedError, DistributedTimeout
+    from course_utils.checks.all_reduce import _ranks, cluster
+
+    if not callable(fn):
+        raise TypeError(f"pass the function itself, got {type(fn).__name__}")
+    name = getattr(fn, "__name__", "your function")
+    try:
+        return cluster(WORLD_SIZE, clusters).run(_on_rank, fn, case, timeout=timeout)
+    except DistributedTimeout as exc:
+        raise AssertionError(
+            f"{name} did not finish within {timeout} s on {WORLD_SIZE} ranks: {exc.summary.split(' (')[0]}. "
+            "Ranks are waiting for each other: a receive that no rank sends to, a wait() on a request "
+            "whose partner never came, or a collective that not every rank called.") from None
+    except DistributedError as exc:
+        raised = [exc.rank] + [r for r, s in exc.ranks.items() if "raised" in str(s)]
+        raise AssertionError(f"{name} raised {exc.exc_type} on {_ranks(sorted(set(raised)))} of {WORLD_SIZE}: "
+                             f"{exc.exc_message}") from None
+
+
+def _collectives_used(outs):
+    return sorted({c for o in outs for c in o["collectives"]})
+
+
+def check_all_reduce_in_two_halves(fn, *, clusters=None):
+    """Exercise 1 of 02: ``fn(x)`` returns the SUM all-reduce of ``x`` built from reduce_scatter and all_gather."""
+    __tracebackhide__ = True
+    name = getattr(fn, "__name__", "your function")
+    allowed = {"reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor"}
+    for case in ("two_halves", "two_halves_long"):
+        outs = _run(fn, case, clusters)
+        used = _collectives_used(outs)
+        other = [c for c in used if c not in allowed]
+        if other:
+            raise AssertionError(f"{name} called {', '.join('dist.' + c for c in other)}: the exercise builds the "
+                                 "all-reduce from its two halves only, dist.reduce_scatter then dist.all_gather.")
+        expected = sum(o["given"] for o in outs)
+        n = len(outs)
+        for r, o in enumerate(outs):
+            got = o["returned"]
+            if got is None:
+                raise AssertionError(f"{name} returned None on rank {r}: return the all-reduced tensor "
+                                     "(the same length as x).")
+            if not torch.is_tensor(got):
+                raise AssertionError(f"{name} returned a {type(got).__name__} on rank {r}: return one tensor, "
+                                     "the same length as x (torch.cat joins a list of chunks).")
+            if got.numel() == expected.numel() // n and torch.allclose(got, expected.chunk(n)[r]):
+                raise AssertionError(f"{name} returned only rank {r}'s chunk of the sum: that is the reduce-scatter "
+                                     "half. Every rank needs every chunk: all_gather the owners' chunks, then join "
+                                     "them in rank order.")
+            if got.shape != expected.shape:
+                raise AssertionError(f"{name} returned shape {tuple(got.shape)} on rank {r}; x has shape "
+                                     f"{tuple(expected.shape)}, and so must the all-reduced result.")
+            if not torch.allclose(got, expected):
+                if "reduce_scatter" not in used and "reduce_scatter_tensor" not in used:
+                    raise AssertionError(f"{name} never called dist.reduce_scatter, and its result is not the sum: "
+                                         "half 1 is a reduce_scatter that leaves rank r the sum of chunk r.")
+                if torch.allclose(got, expected * n) or torch.allclose(got, expected / n):
+                    raise AssertionError(f"{name}'s result is the sum times or divided by {n} on rank {r}: reduce "
+                                         "with SUM once, and do not scale.")
+                raise AssertionError(f"{name}'s result on rank {r} is not the SUM over ranks: are the gathered "
+                                     "chunks joined in rank order (chunk r comes from rank r)?")
+
+
+def check_ring_shift(fn, *, clusters=None):
+    """Exercise 2 of 02: ``fn(x)`` returns the tensor of rank (rank - 2) % world_size, moved in two steps between
+    ring neighbours (send right, receive from the left, pass on) with isend/irecv or batch_isend_irecv."""
+    __tracebackhide__ = True
+    name = getattr(fn, "__name__", "your function")
+    outs = _run(fn, "start", clusters)
+    n = len(outs)
+    used = _collectives_used(outs)
+    if used:
+        raise AssertionError(f"{name} called {', '.join('dist.' + c for c in used)}: a ring shift is point-to-point "
+                             "only, dist.isend to the right neighbour and dist.irecv from the left one.")
+    for r, o in enumerate(outs):
+        got = o["returned"]
+        if not torch.is_tensor(got):
+            raise AssertionError(f"{name} returned {type(got).__name__} on rank {r}: return the received buffer.")
+        if torch.equal(got, _start((r - 2) % n)):
+            if o["messages"] < 2:
+                raise AssertionError(f"{name}: rank {r} holds the right tensor but sent {o['messages']} message(s): "
+                                     "it jumped straight to rank + 2. In a ring each rank talks to its neighbours "
+                                     "only: two steps, passing on in step 2 what arrived in step 1.")
+            continue
+        if torch.equal(got, _start((r - 1) % n)):
+            why = (f"rank {r} holds rank {(r - 1) % n}'s tensor: one step only. Step 2 sends on what step 1 "
+                   "received (not your own x again), so the tensors move two places.")
+        elif torch.equal(got, _start((r + 1) % n)):
+            why = (f"rank {r} holds its right neighbour's tensor: the ring turns the wrong way. Send to "
+                   "(rank + 1) % world_size and receive from (rank - 1) % world_size.")
+        elif torch.equal(got, o["given"]):
+            why = f"rank {r} returned its own tensor: return the buffer that the last irecv filled."
+        elif got.numel() and torch.all(got == got.flatten()[0]):   # one value everywhere: the buffer's initial fill
+            why = (f"rank {r}'s buffer holds nothing that was sent: read it only after req.wait() has returned for "
+                   "the irecv, and return that buffer.")
+        else:
+            why = f"rank {r} returned {got.tolist()}, not rank {(r - 2) % n}'s tensor."
+        raise AssertionError(f"{name}: {why}")
+
+
+def check_gather_to_rank0(fn, *, clusters=None):
+    """Exercise 3 of 02: ``fn(x)`` gathers every rank's ``x`` on rank 0 with dist.gather; rank 0 returns the list
+    in rank order, the other ranks return None."""
+    __tracebackhide__ = True
+    name = getattr(fn, "__name__", "your function")
+    outs = _run(fn, "start", clusters)
+    used = _collectives_used(outs)
+    if "gather" not in used:
+        what = f"it called {', '.join('dist.' + c for c in used)}" if used else "it never called dist.gather"
+        raise AssertionError(f"{name}: {what}. Use dist.gather(x, gather_list, dst=0): only rank 0 receives.")
+    expected = [o["given"] for o in outs]
+    got = outs[0]["returned"]
+    if not isinstance(got, list) or len(got) != len(outs) or not all(torch.is_tensor(t) for t in got):
+        raise AssertionError(f"{name} should return rank 0's gather_list, a list of {len(outs)} tensors; "
+                             f"rank 0 returned {type(got).__name__}.")
+    if not all(torch.equal(a, b) for a, b in zip(got, expected)):
+        raise AssertionError(f"{name}: rank 0's list does not hold every rank's x in rank order (slot r is rank r's).")
+    others = [r for r, o in enumerate(outs[1:], start=1) if o["returned"] is not None]
+    if others:
+        raise AssertionError(f"{name} returned something on rank(s) {others}: only dst=0 receives anything; "
+                             "the others should return None.")

@@ -1,0 +1,317 @@
+"""Every self-check of the exercises in lessons 01, 02 and 03: the notebook's unmodified scaffold fails it, typical
+wrong answers fail it with a reason a learner can act on, and the course's solution passes it.
+
+The scaffolds are taken from the notebooks themselves (the exercise cell, run with ``USE_SOLUTION = False``), so
+a scaffold that starts answering its own question is caught here.
+
+    .venv/bin/python -m pytest tests/test_exercises_01_03.py -p no:randomly
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conftest import register_by_value
+from course_utils.checks import (check_activation_predictions, check_all_reduce, check_all_reduce_in_two_halves,
+                                 check_gather_to_rank0, check_optimizer_state_predictions, check_ring_shift,
+                                 check_sent_bytes_prediction)
+from course_utils.checks import all_reduce as all_reduce_checks
+from course_utils.checks.basics import (solution_activation_predictions, solution_all_reduce_in_two_halves,
+                                        solution_gather_to_rank0, solution_optimizer_state, solution_ring_shift)
+
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test file
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+@pytest.fixture(scope="module")
+def clusters(make_cluster, request):
+    """A 4-rank gloo cluster that the checkers use when a notebook cell calls them without ``clusters=``."""
+    c4 = make_cluster(world_size=4, timeout=30)
+    saved = dict(all_reduce_checks._CLUSTERS)
+    all_reduce_checks._CLUSTERS[4] = c4
+    yield {4: c4}
+    all_reduce_checks._CLUSTERS.clear()
+    all_reduce_checks._CLUSTERS.update(saved)
+
+
+def exercise_cell(notebook, marker):
+    """The source of the one code cell of ``notebook`` that contains ``marker``, with ``USE_SOLUTION = False``."""
+    nb = nbformat.read(NOTEBOOKS / notebook, as_version=4)
+    cells = [c.source for c in nb.cells if c.cell_type == "code" and marker in c.source]
+    assert len(cells) == 1, f"{notebook}: expected one exercise cell containing {marker!r}, found {len(cells)}"
+    source = cells[0]
+    assert "USE_SOLUTION = True" in source, f"{notebook}: the exercise cell should switch the solution on by a flag"
+    return source.replace("USE_SOLUTION = True", "USE_SOLUTION = False", 1)
+
+
+def run_scaffold(notebook, marker, namespace):
+    """Run the exercise cell unmodified (but with the solution switched off): it must fail its self-check."""
+    source = exercise_cell(notebook, marker)
+    with pytest.raises(AssertionError) as info:
+        exec(compile(source, f"{notebook}:exercise", "exec"), namespace)
+    return str(info.value)
+
+
+def expect_failure(check, *args, words=(), **kwargs):
+    with pytest.raises(AssertionError) as info:
+        check(*args, **kwargs)
+    message = str(info.value)
+    for w in words:
+        assert w in message, f"the self-check's message should mention {w!r}; it was:\n{message}"
+    return message
+
+
+# -- lesson 01 ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lesson01():
+    """What the lesson's exercise cells find in the notebook: act_per_sample, measured, n_params."""
+    from course_utils.data import make_regression
+    from course_utils.memory import measure_step_memory
+    from course_utils.models import make_model
+
+    x, y = make_regression(n=64, d_in=64, seed=0)
+    model = make_model(seed=0, d_in=64, d_hidden=512)
+    m64 = measure_step_memory(model, torch.optim.Adam(model.parameters()), F.mse_loss, x, y)
+    measured = {(0, 1, 64): m64, (0, 4, 64): m64}   # the world size does not change a rank's memory (lesson 01)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"act_per_sample": m64["activations"] / 64, "measured": measured, "n_params": n_params}
+
+
+def test_01_exercise_1_activation_predictions(lesson01):
+    ns = {"check_activation_predictions": check_activation_predictions,
+          "solution_activation_predictions": solution_activation_predictions, "print": lambda *a: None, **lesson01}
+    message = run_scaffold("01_data_parallelism.ipynb", "check_activation_predictions(", ns)
+    assert "still None" in message and "act_per_sample" in message, message
+
+    act, measured = lesson01["act_per_sample"], lesson01["measured"]
+    expect_failure(check_activation_predictions, act * 256, act * 64, measured,
+                   words=["predicted_4_ranks", "all 256 samples", "its own micro-batch"])
+    expect_failure(check_activation_predictions, act * 64, act * 256, measured,
+                   words=["predicted_1_device_accum_4", "frees", "one micro-batch is alive at a time"])
+    expect_failure(check_activation_predictions, act * 16, act * 64, measured, words=["predicted_4_ranks", "how?"])
+    expect_failure(check_activation_predictions, "64 samples", act * 64, measured, words=["number of bytes"])
+    for wrong in (act * 256, act * 16, act * 64 + 1):   # the message never states the answer
+        with pytest.raises(AssertionError) as info:
+            check_activation_predictions(wrong, act * 64, measured)
+        assert str(int(act * 64)) not in str(info.value), str(info.value)
+
+    check_activation_predictions(*solution_activation_predictions(act), measured)
+
+
+def test_01_exercise_2_optimizer_state(lesson01):
+    n = lesson01["n_params"]
+    ns = {"check_optimizer_state_predictions": check_optimizer_state_predictions,
+          "solution_optimizer_state": solution_optimizer_state, "print": lambda *a: None, **lesson01}
+    message = run_scaffold("01_data_parallelism.ipynb", "check_optimizer_state_predictions(", ns)
+    assert "still None" in message, message
+
+    expect_failure(check_optimizer_state_predictions, {"SGD": 0, "SGD + momentum": 8 * n}, n,
+                   words=["SGD + momentum", "too high", "one running buffer"])
+    expect_failure(check_optimizer_state_predictions, {"SGD": 4 * n, "SGD + momentum": 4 * n}, n,
+                   words=['predicted["SGD"]', "remember between steps"])
+    expect_failure(check_optimizer_state_predictions, {"SGD": 0, "SGD + momentum": n}, n,
+                   words=["too low", "velocity"])
+    expect_failure(check_optimizer_state_predictions, {"SGD": 0}, n, words=["keys"])
+    check_optimizer_state_predictions(solution_optimizer_state(n), n)
+
+
+# -- lesson 02 ----------------------------------------------------------------------------------
+def _lesson02_namespace():
+    return {"dist": dist, "torch": torch, "print": lambda *a: None,
+            "check_all_reduce_in_two_halves": check_all_reduce_in_two_halves,
+            "check_ring_shift": check_ring_shift, "check_gather_to_rank0": check_gather_to_rank0,
+            "solution_all_reduce_in_two_halves": solution_all_reduce_in_two_halves,
+            "solution_ring_shift": solution_ring_shift, "solution_gather_to_rank0": solution_gather_to_rank0}
+
+
+def two_halves_with_all_reduce(x):
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def reduce_scatter_only(x):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    chunks = list(x.chunk(world_size))
+    mine = torch.zeros_like(chunks[rank])
+    dist.reduce_scatter(mine, chunks)
+    return mine
+
+
+def gathered_in_reverse(x):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    chunks = list(x.chunk(world_size))
+    mine = torch.zeros_like(chunks[rank])
+    dist.reduce_scatter(mine, chunks)
+    pieces = [torch.zeros_like(c) for c in chunks]
+    dist.all_gather(pieces, mine)
+    return torch.cat(pieces[::-1])
+
+
+def test_02_exercise_1_all_reduce_in_two_halves(clusters):
+    message = run_scaffold("02_collectives_sandbox.ipynb", "check_all_reduce_in_two_halves(", _lesson02_namespace())
+    assert "NotImplementedError" in message and "write all_reduce_in_two_halves" in message, message
+    expect_failure(check_all_reduce_in_two_halves, two_halves_with_all_reduce, clusters=clusters,
+                   words=["dist.all_reduce", "reduce_scatter then dist.all_gather"])
+    expect_failure(check_all_reduce_in_two_halves, reduce_scatter_only, clusters=clusters,
+                   words=["only rank", "reduce-scatter half", "all_gather"])
+    expect_failure(check_all_reduce_in_two_halves, gathered_in_reverse, clusters=clusters, words=["rank order"])
+    check_all_reduce_in_two_halves(solution_all_reduce_in_two_halves, clusters=clusters)
+
+
+def _exchange(send, right, left):
+    buf = torch.zeros_like(send)
+    reqs = [dist.isend(send, dst=right), dist.irecv(buf, src=left)]
+    for req in reqs:
+        req.wait()
+    return buf
+
+
+def shift_one_step(x):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return _exchange(x, (rank + 1) % world_size, (rank - 1) % world_size)
+
+
+def shift_sending_own_twice(x):
+    """Step 2 sends x again instead of what arrived: ends one place away."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    _exchange(x, (rank + 1) % world_size, (rank - 1) % world_size)
+    return _exchange(x, (rank + 1) % world_size, (rank - 1) % world_size)
+
+
+def shift_the_wrong_way(x):
+    """One step with left and right swapped (on 4 ranks, two steps either way land on the same rank)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return _exchange(x, (rank - 1) % world_size, (rank + 1) % world_size)
+
+
+def shift_jumping(x):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return _exchange(x, (rank + 2) % world_size, (rank - 2) % world_size)
+
+
+def shift_returning_own(x):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    first = _exchange(x, (rank + 1) % world_size, (rank - 1) % world_size)
+    _exchange(first, (rank + 1) % world_size, (rank - 1) % world_size)
+    return x
+
+
+def shift_returning_unfilled_buffer(x):
+    """Receives into buffers but returns another that nothing was written to."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    first = _exchange(x, (rank + 1) % world_size, (rank - 1) % world_size)
+    _exchange(first, (rank + 1) % world_size, (rank - 1) % world_size)
+    return torch.zeros_like(x)
+
+
+def shift_with_all_gather(x):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    everyone = [torch.zeros_like(x) for _ in range(world_size)]
+    dist.all_gather(everyone, x)
+    return everyone[(rank - 2) % world_size]
+
+
+def shift_with_isend_irecv(x):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    first = _exchange(x, (rank + 1) % world_size, (rank - 1) % world_size)
+    return _exchange(first, (rank + 1) % world_size, (rank - 1) % world_size)
+
+
+def test_02_exercise_2_ring_shift(clusters):
+    message = run_scaffold("02_collectives_sandbox.ipynb", "check_ring_shift(", _lesson02_namespace())
+    assert "NotImplementedError" in message and "write ring_shift" in message, message
+    expect_failure(check_ring_shift, shift_one_step, clusters=clusters, words=["one step only", "Step 2"])
+    expect_failure(check_ring_shift, shift_sending_own_twice, clusters=clusters, words=["one step only"])
+    expect_failure(check_ring_shift, shift_the_wrong_way, clusters=clusters, words=["wrong way", "(rank + 1)"])
+    expect_failure(check_ring_shift, shift_jumping, clusters=clusters, words=["neighbours only", "1 message"])
+    expect_failure(check_ring_shift, shift_returning_own, clusters=clusters, words=["its own tensor"])
+    expect_failure(check_ring_shift, shift_returning_unfilled_buffer, clusters=clusters, words=["req.wait()"])
+    expect_failure(check_ring_shift, shift_with_all_gather, clusters=clusters,
+                   words=["dist.all_gather", "point-to-point"])
+    check_ring_shift(solution_ring_shift, clusters=clusters)
+    check_ring_shift(shift_with_isend_irecv, clusters=clusters)
+
+
+def gather_list_everywhere(x):
+    world_size = dist.get_world_size()
+    gather_list = [torch.zeros_like(x) for _ in range(world_size)]   # wrong: allocated on every rank
+    dist.gather(x, gather_list, dst=0)
+    return gather_list
+
+
+def gather_with_all_gather(x):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = [torch.zeros_like(x) for _ in range(world_size)]
+    dist.all_gather(out, x)
+    return out if rank == 0 else None
+
+
+def test_02_exercise_3_gather(clusters):
+    message = run_scaffold("02_collectives_sandbox.ipynb", "check_gather_to_rank0(", _lesson02_namespace())
+    assert "NotImplementedError" in message and "write gather_to_rank0" in message, message
+    expect_failure(check_gather_to_rank0, gather_list_everywhere, clusters=clusters,
+                   words=["raised ValueError", "gather_list"])
+    expect_failure(check_gather_to_rank0, gather_with_all_gather, clusters=clusters,
+                   words=["dist.all_gather", "dist.gather(x, gather_list, dst=0)"])
+    check_gather_to_rank0(solution_gather_to_rank0, clusters=clusters)
+
+
+# -- lesson 03 ----------------------------------------------------------------------------------
+def ring_dropping_remainder(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    size = flat.numel() // n
+    chunks = [flat[i * size:(i + 1) * size] for i in range(n)]
+    left, right = (rank - 1) % n, (rank + 1) % n
+    buf = torch.empty_like(chunks[0])
+    for s in range(n - 1):
+        req = dist.isend(chunks[(rank - s) % n], right)
+        dist.recv(buf, left)
+        chunks[(rank - s - 1) % n] += buf
+        req.wait()
+    for s in range(n - 1):
+        req = dist.isend(chunks[(rank + 1 - s) % n], right)
+        dist.recv(buf, left)
+        chunks[(rank - s) % n].copy_(buf)
+        req.wait()
+
+
+def test_03_exercise_1_chunked_ring(make_cluster, clusters):
+    from course_utils import allreduce
+    from course_utils.allreduce import chunked_ring_all_reduce
+
+    all_sizes = {n: make_cluster(world_size=n, timeout=30) for n in (2, 3, 4)}
+    source = exercise_cell("03_all_reduce_by_hand.ipynb", "def my_ring_all_reduce(tensor):")
+    ns = {"dist": dist, "torch": torch, "print": lambda *a: None, "chunked_ring_all_reduce": chunked_ring_all_reduce,
+          "check_all_reduce": lambda impl: check_all_reduce(impl, clusters=all_sizes)}
+    with pytest.raises(AssertionError) as info:
+        exec(compile(source, "03:exercise 1", "exec"), ns)
+    assert "NotImplementedError" in str(info.value) and "write the chunked ring" in str(info.value), str(info.value)
+    expect_failure(check_all_reduce, allreduce.ring_all_reduce, clusters=all_sizes,
+                   words=["not bandwidth-optimal", "tensor_split"])
+    expect_failure(check_all_reduce, allreduce.naive_all_reduce, clusters=all_sizes, words=["not bandwidth-optimal"])
+    expect_failure(check_all_reduce, ring_dropping_remainder, clusters=all_sizes, words=["not divisible"])
+    check_all_reduce(chunked_ring_all_reduce, clusters=all_sizes)
+
+
+def test_03_exercise_2_sent_bytes_prediction(clusters):
+    from course_utils import allreduce
+
+    ns = {"allreduce": allreduce, "check_sent_bytes_prediction": check_sent_bytes_prediction,
+          "print": lambda *a: None}
+    message = run_scaffold("03_all_reduce_by_hand.ipynb", "check_sent_bytes_prediction(", ns)
+    assert "still None" in message, message
+    answer = allreduce.chunked_ring_sent_bytes(numel=10, world_size=4, rank=1)
+    for wrong, words in [(60, ["2(n-1)/n x S", "3, 3, 2, 2"]), (120, ["whole-tensor ring"]),
+                         (answer // 4, ["count of values", "4 bytes"]), (72, ["long one"]),
+                         (32, ["one phase only"]), (61, ["schedule of section 4"])]:
+        message = expect_failure(check_sent_bytes_prediction, wrong, clusters=clusters, words=words)
+        assert str(answer) not in message.replace(f"= {wrong} bytes", ""), f"the answer leaks: {message}"
+    check_sent_bytes_prediction(answer, clusters=clusters)
+    assert answer == 4 * (3 + 3 + 2) + 4 * (2 + 3 + 3), "rank 1 sends c1, c0, c3, then c2, c1, c0"
