@@ -1,0 +1,95 @@
+"""The engine without Linux-only facilities: what macOS (and WSL2) learners get.
+
+- A rank ends when the notebook process is gone through a watchdog thread (no PR_SET_PDEATHSIG,
+  which is Linux-only and fires when the *thread* that started the rank exits).
+- Ranks blocked in a collective are released by cutting their peer connections found without
+  /proc (COURSE_UTILS_NO_PROC=1 switches the /proc path off on Linux).
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import ROOT, alive
+from course_utils import Cluster, DistributedError, DistributedTimeout
+from engine_env import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
+
+
+@pytest.fixture(scope="module")
+def no_proc_cluster():
+    os.environ["COURSE_UTILS_NO_PROC"] = "1"  # inherited by the ranks started here
+    try:
+        c = Cluster(world_size=3, backend="gloo", timeout=120)
+    finally:
+        del os.environ["COURSE_UTILS_NO_PROC"]
+    yield c
+    c.shutdown()
+
+
+def test_the_fd_scan_finds_what_proc_lists(no_proc_cluster):
+    got = no_proc_cluster.run("import os\nfrom course_utils.engine import _worker\n"
+                              "(os.environ.get('COURSE_UTILS_NO_PROC'), sorted(_worker._open_fds()),"
+                              " sorted(int(n) for n in os.listdir('/proc/self/fd'))"
+                              " if os.path.isdir('/proc') else None)")
+    for switch, scanned, listed in got:
+        assert switch == "1"
+        if listed is not None:  # Linux: the scan sees every descriptor /proc lists (but its own listing's)
+            assert set(scanned) <= set(listed) and len(set(listed) - set(scanned)) <= 1, (scanned, listed)
+
+
+def test_ranks_are_released_without_proc_after_torch_dynamo_is_imported(no_proc_cluster):
+    c = no_proc_cluster
+    c.run("import torch, torch._dynamo, torch.distributed as dist\nkept = rank\n"
+          "opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)")
+    with pytest.raises(DistributedError) as info:  # without the cut, a DistributedTimeout after 120 s
+        c.run("if rank == 1:\n    raise ValueError('late')\ndist.all_reduce(torch.ones(1))")
+    assert not isinstance(info.value, DistributedTimeout)
+    assert "rank 0: then raised" in str(info.value) and "names you defined are kept" in str(info.value)
+    assert c.pull("kept") == [0, 1, 2]
+
+
+def test_a_deadlock_is_released_without_proc(no_proc_cluster):
+    c = no_proc_cluster
+    c.run("kept_too = rank")
+    with pytest.raises(DistributedTimeout, match=r"rank 0: stuck in recv\(\)"):
+        c.run("import torch, torch.distributed as dist\nbuf = torch.zeros(1)\n"
+              "dist.recv(buf, src=(rank + 1) % world_size)", timeout=3)
+    assert c.pull("kept_too") == [0, 1, 2]
+
+
+NOTEBOOK = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from course_utils import Cluster
+    c = Cluster(world_size=2, backend="gloo")
+    holder = os.fork()
+    if holder == 0:          # a child of the notebook that keeps every pipe to the ranks open
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)     # (but not the test's stdout: the test reads it to the end)
+        os.dup2(null, 2)
+        time.sleep(120)
+        os._exit(0)
+    print(c.pids, holder, flush=True)
+    os.kill(os.getpid(), 9)  # the notebook dies without a word
+""")
+
+
+def test_ranks_end_when_the_notebook_dies_even_if_their_pipes_stay_open():
+    proc = subprocess.run([sys.executable, "-c", NOTEBOOK.format(root=str(ROOT))], capture_output=True, text=True,
+                          timeout=180, env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pids, holder = eval(proc.stdout.split("] ")[0] + "]"), int(proc.stdout.split("] ")[1])
+    try:
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if alive(p)], "the ranks outlived the notebook process"
+    finally:
+        try:
+            os.kill(holder, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
