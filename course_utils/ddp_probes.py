@@ -244,3 +244,155 @@ def tensors_equal_across_ranks(tensors, group=None):
     same = torch.tensor([int(torch.equal(flat, ref))])
     dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
     return bool(same.item())
+
+
+# -- exercises of lessons 06 and 07: self-checks and the course's solutions ----------------------
+def accumulate_with_flag(model, batches):
+    """The course's solution of 06's exercise 2: one all-reduce for ``len(batches)`` micro-batches,
+    with ``require_backward_grad_sync`` set by hand (no ``no_sync()``).
+
+    Introduced in 06_ddp_accumulation_no_sync (used when ``USE_SOLUTION = True``)."""
+    import torch.nn.functional as F
+
+    K = len(batches)
+    for k, (xb, yb) in enumerate(batches):
+        model.require_backward_grad_sync = (k == K - 1)     # before the forward: DDP reads it there
+        (F.mse_loss(model(xb), yb) / K).backward()
+
+
+def check_accumulate(accumulate, accum_steps=4, seed=0):
+    """Self-check of 06's exercise 2; call it on every rank (inside a ``%%ddp`` cell).
+
+    ``accumulate(model, batches)`` must run forward and backward over the micro-batches of
+    ``batches`` (a list of ``(x, y)``) with exactly ONE all-reduce, at the last micro-step, by
+    setting ``model.require_backward_grad_sync`` itself (not with ``model.no_sync()``), and leave
+    in ``.grad`` the gradient of the mean loss over every rank's samples. Raises
+    ``AssertionError`` saying what is wrong; rank 0 prints one line when it is right.
+
+    Introduced in 06_ddp_accumulation_no_sync.
+    """
+    __tracebackhide__ = True
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.data import make_regression
+    from course_utils.models import make_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    K = accum_steps
+    x, y = make_regression(n=32 * world * K, d_in=16, seed=seed)
+    reference = make_model(seed=0)
+    F.mse_loss(reference(x), y).backward()                 # one process, the whole batch
+    ref = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+
+    model = DDP(make_model(seed=0))
+    seen = {"forwards": 0, "flags": [], "reduced_at": [], "no_sync": 0}
+
+    def hook(state, bucket):
+        state["reduced_at"].append(state["forwards"] - 1)  # the micro-step whose backward reduces
+        fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    model.register_comm_hook(seen, hook)
+
+    def before_forward(module, args):
+        seen["forwards"] += 1
+        seen["flags"].append(bool(module.require_backward_grad_sync))
+
+    model.register_forward_pre_hook(before_forward)
+    real_no_sync = model.no_sync
+
+    def recorded_no_sync():
+        seen["no_sync"] += 1
+        return real_no_sync()
+
+    model.no_sync = recorded_no_sync                       # notice no_sync(): the exercise is without it
+    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+    batches = list(zip(xs.chunk(K), ys.chunk(K)))
+    try:
+        accumulate(model, batches)
+    except NotImplementedError as exc:
+        raise AssertionError(f"accumulate is not written yet ({exc}). Write the loop over the micro-batches, "
+                             "then run the cell again.") from None
+    if seen["no_sync"]:
+        raise AssertionError("accumulate calls model.no_sync(): this exercise asks you to do what no_sync() does "
+                             "by setting model.require_backward_grad_sync yourself.")
+    if seen["forwards"] != K:
+        raise AssertionError(f"accumulate ran {seen['forwards']} forward passes for {K} micro-batches: "
+                             "one forward and one backward per micro-batch.")
+    reduced_at = seen["reduced_at"]
+    if reduced_at != [K - 1]:
+        if reduced_at == [0]:
+            why = (" The flag each forward saw was " + str(seen["flags"]) + ": you set it AFTER the forward, so "
+                   "every forward obeyed the previous micro-step's value. DDP reads the flag in forward: "
+                   "set it before calling the model.")
+        elif len(reduced_at) == K:
+            why = (" The flag was True at every forward: set model.require_backward_grad_sync = False for the "
+                   "first K-1 micro-steps and True for the last.")
+        elif not reduced_at:
+            why = " The flag was never True at a forward: the last micro-step must sync."
+        else:
+            why = f" The flag each forward saw: {seen['flags']}."
+        raise AssertionError(f"{len(reduced_at)} all-reduce(s), at micro-step(s) {reduced_at} of 0..{K - 1}: "
+                             f"expected exactly one, at the last micro-step ({K - 1})." + why)
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    if not torch.allclose(got, ref, rtol=1e-4, atol=1e-6):
+        scale = float(got.dot(ref) / ref.dot(ref))
+        if abs(scale - K) < 1e-2 * K:
+            raise AssertionError(f"the gradients are {K} (= accum_steps) times too large: divide each "
+                                 "micro-batch's loss by the number of micro-batches before backward().")
+        raise AssertionError(f"one all-reduce at the right micro-step, but the gradients differ from the "
+                             f"full-batch reference (they are {scale:.3g} times it along its direction): "
+                             "each micro-batch's loss divided by K, one backward each?")
+    if rank == 0:
+        print(f"self-check passed: {K} micro-batches, 1 all-reduce at the last one, the reference gradients")
+
+
+# The course's answer to 07's exercise 2: bucket 0 of the rebuilt ``Reordered`` model with
+# bucket_cap_mb=0.25 (head is used last in forward, so its gradients are ready first).
+REORDERED_BUCKET0 = ["head.bias", "head.weight", "blocks.3.bias", "blocks.3.weight"]
+
+
+def check_bucket0_prediction(predicted, layout, registration):
+    """Self-check of 07's exercise 2: is ``predicted`` (a list of parameter names) bucket 0 of the
+    rebuilt layout?
+
+    ``layout`` is ``BucketLog.layout(1)`` (``[(index, numel, names), ...]``) and ``registration``
+    the names in ``named_parameters()`` order. Raises ``AssertionError`` with a hint; prints
+    one line (rank 0 only, inside a ``%%ddp`` cell) when the prediction is right. Introduced in 07_buckets_and_overlap.
+    """
+    __tracebackhide__ = True
+    actual = list(layout[0][2])
+    if predicted is None:
+        raise AssertionError("predicted_bucket0 is still None: write the parameter names you expect in bucket 0 "
+                             "after the rebuild, as a list of strings such as ['embed.weight', ...].")
+    predicted = list(predicted)
+    unknown = [n for n in predicted if n not in registration]
+    if unknown:
+        raise AssertionError(f"{unknown} are not parameter names of this model; they are: {registration}.")
+    if predicted == actual:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print("self-check passed: bucket 0 holds", ", ".join(actual))
+        return
+    reverse = registration[::-1]
+    if predicted == reverse[:len(predicted)]:
+        raise AssertionError("that is the start of the reverse REGISTRATION order. After the rebuild the buckets "
+                             "follow the order in which backward produced the gradients: which module does "
+                             "forward use last?")
+    if predicted == registration[:len(predicted)]:
+        raise AssertionError("that is the registration order. Backward runs from the loss towards the input: "
+                             "the gradients of the module forward used last are ready first.")
+    if set(predicted) == set(actual):
+        raise AssertionError("the right parameters, in the wrong order: within a Linear layer, which gradient does "
+                             "backward finish first, the bias's or the weight's?")
+    if set(predicted) < set(actual):
+        raise AssertionError(f"bucket 0 holds more than that: it closes once it reaches bucket_cap_mb "
+                             f"({len(actual)} tensors here). Add the next gradients in ready order.")
+    if set(actual) < set(predicted):
+        raise AssertionError("bucket 0 holds fewer parameters: a bucket closes as soon as it reaches bucket_cap_mb "
+                             "(one 256 x 256 weight is just over 0.25 MiB).")
+    raise AssertionError("not bucket 0. Bucket 0 is filled with the gradients backward produces first, until "
+                         "it reaches bucket_cap_mb.")

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ByteCounter", "Collective", "cast_allreduce", "fp16_hook", "bf16_hook", "flat_grad", "relative_error"]
+__all__ = ["ByteCounter", "Collective", "cast_allreduce", "fp16_hook", "bf16_hook", "flat_grad", "relative_error",
+           "avg_hook", "fp16_wrap"]
 
 # collective name -> how to find the tensors this rank contributes, from (args, kwargs)
 _CONTRIBUTES = {
@@ -273,3 +274,34 @@ def relative_error(approx, exact):
     denom = exact.norm().item()
     diff = (approx - exact).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+# -- the course's solutions of 08's exercises (used when USE_SOLUTION = True) -----------------
+def avg_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """08's exercise 1: average the bucket with ``ReduceOp.AVG`` (gloo and NCCL), no explicit division.
+
+    Introduced in 08_comm_hooks."""
+    group = state if state is not None else dist.group.WORLD
+    fut = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, group=group, async_op=True).get_future()
+    return fut.then(lambda fut: fut.value()[0])
+
+
+def fp16_wrap(hook):
+    """08's exercise 2: ``hook`` made to communicate in float16, like torch's ``fp16_compress_wrapper``.
+
+    The wrapped hook hands ``hook`` a bucket whose buffer is the float16 copy
+    (``bucket.set_buffer``), then copies the reduced float16 values back into the original
+    float32 buffer. Introduced in 08_comm_hooks."""
+
+    def fp16_wrapped(state, bucket):
+        buffer = bucket.buffer()
+        bucket.set_buffer(buffer.to(torch.float16))     # the wrapped hook now reduces 2-byte values
+
+        def decompress(fut):
+            buffer.copy_(fut.value())                   # back to float32, into the original buffer
+            return buffer
+
+        return hook(state, bucket).then(decompress)
+
+    fp16_wrapped.__name__ = f"fp16_wrap({getattr(hook, '__name__', 'hook')})"
+    return fp16_wrapped

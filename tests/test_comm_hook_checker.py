@@ -4,7 +4,6 @@
 """
 import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,15 +13,25 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from course_utils.checks import check_comm_hook
 from course_utils.hooks import bf16_hook, fp16_hook
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+try:
+    from conftest import register_by_value
+except ImportError:  # conftest without the helper yet
+    from cloudpickle import register_pickle_by_value as register_by_value
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
 
 @pytest.fixture(scope="module")
-def cluster3():
-    from course_utils import Cluster
+def cluster3(request):
+    """3 gloo ranks shared by this module (conftest's make_cluster when it exists)."""
+    try:
+        make_cluster = request.getfixturevalue("make_cluster")
+    except pytest.FixtureLookupError:
+        from course_utils import Cluster
 
-    with Cluster(world_size=3, backend="gloo", timeout=30) as c:
-        yield c
+        with Cluster(world_size=3, backend="gloo", timeout=30) as c:
+            yield c
+        return
+    yield make_cluster(world_size=3, timeout=30)
 
 
 # -- hooks the checker must reject --------------------------------------------------------------
@@ -173,8 +182,58 @@ def never_completes_hook(state, bucket):  # DDP waits for this future forever
     return torch.futures.Future()
 
 
-def test_a_hanging_hook_times_out_with_an_explanation(cluster3):
-    # last in the file: the stuck ranks may be replaced with fresh ones
-    with pytest.raises(AssertionError, match=r"did not finish within 5 s on 3 ranks"):
-        check_comm_hook(never_completes_hook, cluster=cluster3, timeout=5)
-    check_comm_hook(allreduce_hook, cluster=cluster3, quiet=True)  # the cluster is usable again
+def test_a_hanging_hook_times_out_with_an_explanation():
+    # its own cluster: the stuck ranks may be replaced with fresh ones, which must not disturb the
+    # cluster the other tests share (so this test can run in any order)
+    from course_utils import Cluster
+
+    with Cluster(world_size=3, backend="gloo", timeout=30) as own:
+        # first a passing check: DDP's first construction imports torch._dynamo (seconds on a busy
+        # machine), and the 5 s below must time out the hook, not that import
+        check_comm_hook(allreduce_hook, cluster=own, quiet=True, timeout=120)
+        with pytest.raises(AssertionError, match=r"did not finish within 5 s on 3 ranks"):
+            check_comm_hook(never_completes_hook, cluster=own, timeout=5)
+        check_comm_hook(allreduce_hook, cluster=own, quiet=True)  # the cluster is usable again
+
+
+# -- near misses: the tolerance itself is tested ---------------------------------------------------
+def scaled_hook(factor):
+    """DDP's average times ``factor``: a relative error of |factor - 1| in every step."""
+    def near_miss(state, bucket):
+        buf = bucket.buffer().div_(dist.get_world_size())
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        return fut.then(lambda fut: fut.value()[0] * factor)
+    return near_miss
+
+
+def bf16_sum_then_divide(state, bucket):  # adds in bfloat16, divides afterwards: 8 bits of mantissa
+    buffer = bucket.buffer()
+    low = buffer.to(torch.bfloat16)
+    fut = dist.all_reduce(low, async_op=True).get_future()
+
+    def back(fut):
+        buffer.copy_(fut.value()[0]).div_(dist.get_world_size())
+        return buffer
+    return fut.then(back)
+
+
+def test_an_error_just_below_the_tolerance_passes(cluster3):
+    check_comm_hook(scaled_hook(1 + 3e-6), cluster=cluster3, quiet=True)            # 3e-6 < rtol=1e-5
+    check_comm_hook(scaled_hook(1 + 3e-4), rtol=1e-3, cluster=cluster3, quiet=True)
+
+
+def test_an_error_just_above_the_tolerance_is_a_near_miss_not_a_wrong_scale(cluster3):
+    with pytest.raises(AssertionError, match=r"close to DDP.s average but not within the tolerance: relative "
+                                             r"error 3.0e-05, allowed rtol=1e-05"):
+        check_comm_hook(scaled_hook(1 + 3e-5), cluster=cluster3)
+
+
+def test_adding_in_bf16_is_caught_by_the_lossless_tolerance(cluster3):
+    with pytest.raises(AssertionError, match=r"close to DDP.s average .* rtol=1e-05. A lossy .* rtol=0.01"):
+        check_comm_hook(bf16_sum_then_divide, cluster=cluster3)
+    check_comm_hook(bf16_sum_then_divide, rtol=1e-2, cluster=cluster3, quiet=True)
+
+
+def test_a_lossless_hook_prints_its_error_as_a_bound_that_survives_other_cpus(cluster3, capsys):
+    check_comm_hook(allreduce_hook, cluster=cluster3)
+    assert "(max relative error < 1e-06, rtol=1e-05)" in capsys.readouterr().out
