@@ -299,7 +299,8 @@ def _powersgd_feedback(rank_r, steps):
 
 def test_powersgd_error_feedback_loses_nothing(cluster):
     residual, error, compressed = cluster.run(_powersgd_feedback, 1, 3)[0]
-    assert compressed == ["net.0.weight"], f"only the 32x16 matrix gains from rank 1 (the 1x32 head does not): {compressed}"
+    assert compressed == ["net.0.weight"], \
+        f"only the 32x16 matrix gains from rank 1 (the 1x32 head does not): {compressed}"
     assert residual < 1e-5, f"applied gradient != true mean + error carried in - error carried out ({residual:.2e})"
     assert error > 1e-4, "rank-1 factors of a 32x16 gradient must miss something, kept as error"
     residual, error, compressed = cluster.run(_powersgd_feedback, 16, 2)[0]
@@ -311,10 +312,10 @@ def _powersgd_resume(with_state):
     import torch
     import torch.nn.functional as F
 
+    import torch.distributed as dist
+
     from course_utils.gpt import CharTokenizer, get_batch, load_corpus, make_gpt
     from course_utils.micro_ddp import MicroDDP
-
-    import torch.distributed as dist
 
     rank = dist.get_rank()
     text = load_corpus()[:3000]
@@ -345,14 +346,17 @@ def _powersgd_resume(with_state):
     if with_state:
         model.compressor.load_state_dict(state["compressor"])
     resumed = train(model, opt, 2, 4)
-    return max((a - b).abs().max().item() for a, b in zip(straight, resumed)), len(state["compressor"]["errors"])
+    errors = state["compressor"]["errors"]
+    return max((a - b).abs().max().item() for a, b in zip(straight, resumed)), len(errors), errors
 
 
 def test_powersgd_resume_is_exact_only_with_the_compressor_state(cluster):
-    diff, n_errors = cluster.run(_powersgd_resume, True)[0]
+    (diff, n_errors, errors0), (_, _, errors1) = cluster.run(_powersgd_resume, True)
     assert n_errors > 0, "the GPT has matrices PowerSGD compresses: their error feedback must be in the state"
+    assert any(not torch.equal(errors0[k], errors1[k]) for k in errors0), \
+        "error feedback is per rank (each rank's own gradient): a checkpoint must keep every rank's"
     assert diff == 0, f"resumed with the compressor state, the weights must match the straight run exactly ({diff})"
-    diff, _ = cluster.run(_powersgd_resume, False)[0]
+    diff, _, _ = cluster.run(_powersgd_resume, False)[0]
     assert diff > 1e-6, "without the error feedback and Q, the resumed run must differ (else the test proves nothing)"
 
 
