@@ -84,9 +84,12 @@ def test_kill_process_group_refuses_pytests_own_group():
 
 
 def test_alive_tells_a_zombie_from_a_live_process():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    while not os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT):
-        time.sleep(0.01)
-    assert not alive(proc.pid), "an exited, unreaped child (a zombie) is not alive"
-    proc.wait()
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    assert alive(proc.pid) and alive(proc), "a running child is alive"
+    proc.stdin.close()  # the child exits; nobody reaps it yet, so it stays a zombie
+    deadline = time.monotonic() + 60
+    while alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(proc.pid), "an exited, unreaped child (a zombie) must not count as alive"
+    assert proc.wait(timeout=10) == 0
     assert alive(os.getpid()) and not alive(proc.pid)
