@@ -22,6 +22,8 @@ LESSON_MAP = "../README.md#lesson-map"
 IGNORE_OUTPUT_ALLOWED = set()
 NBVAL_MARKERS = re.compile(r"#\s*NBVAL_(IGNORE_OUTPUT|SKIP)\b")
 NBVAL_TAGS = {"nbval-ignore-output", "nbval-skip"}
+# Everything the course ships, checked against pyproject's ruff settings (target py310: the README promises 3.10+).
+RUFF_PATHS = ["course_utils", "tests", "notebooks", "scripts", "benchmarks"]
 
 
 def _load(path):
@@ -164,5 +166,5 @@ def test_ruff_is_clean():
             pytest.fail("ruff is not installed in the venv (pip install -e '.[test]')")
         pytest.skip("ruff is not installed in the venv (pip install -e '.[test]')")
     run = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format=concise",
-                          "course_utils", "tests", "notebooks"], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 0, f"ruff check course_utils tests notebooks found problems:\n{run.stdout}{run.stderr}"
+                          *RUFF_PATHS], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, f"ruff check {' '.join(RUFF_PATHS)} found problems:\n{run.stdout}{run.stderr}"
