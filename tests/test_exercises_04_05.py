@@ -270,3 +270,16 @@ def test_describe_busbw_spread():
     assert "1.00x the time of all_reduce" in lines[1] and "whole all-reduce" in lines[1], lines
     rows["reduce_scatter"]["time_s"] = 0.5
     assert "does not run a whole all-reduce" in bench.describe_busbw_spread(rows)[1]
+
+
+def test_a_failed_self_check_shows_the_learners_line_and_the_verdict():
+    try:
+        bench.check_busbw(None, ROW, world_size=4)  # the learner's line
+    except AssertionError as exc:
+        shown = exc._render_traceback_()  # what IPython shows instead of the full traceback
+    else:
+        raise AssertionError("the scaffold must fail")
+    assert not any("course_utils" in line for line in shown), f"the checker's frames are hidden:\n{shown}"
+    assert "bench.check_busbw(None, ROW, world_size=4)" in shown[-2], shown
+    assert shown[-1].endswith("Set my_busbw (bytes per second, from row['bytes'] and row['time_s']) and run the "
+                              "cell again."), shown
