@@ -5,7 +5,8 @@ micro-batches of ``micro_batch`` samples through a model of P parameters, then o
 all-reduce of the gradient (fp32, 4 bytes per parameter, divided by the compression ratio):
 
     compute  = accum_steps * (overhead + 6 * P * micro_batch / flop_rate)
-    comm     = 2 (W-1) * alpha  +  2 (W-1)/W * bytes * beta          (ring all-reduce)
+    comm     = 2 (W-1) * alpha  +  2 (W-1)/W * bytes * beta          (ring all-reduce; gloo's
+               algorithm. NCCL switches to trees, log W latency, for small messages at many ranks)
     exposed  = comm, or max(0, comm - backward of the last micro-step)  with overlap
     step     = compute + exposed + codec + update
 
@@ -111,40 +112,64 @@ def predict(cal, *, world_size, params, micro_batch, accum_steps=1, compression=
     return StepTime(compute, comm, exposed, codec, update, total, world_size * accum_steps * micro_batch)
 
 
+def break_even_codec(cal, *, compression=2.0, **config):
+    """Seconds per parameter that compressing and decompressing may cost before compression stops paying.
+
+    The step time saved by sending ``compression`` times fewer bytes, less the fixed
+    ``codec_overhead``, divided by the parameter count: a codec cheaper than this makes the step
+    faster. Negative when the bytes saved cannot even pay the overhead (latency-bound or hidden by
+    overlap). ``config``: ``predict``'s keywords. Introduced in 10_tradeoffs."""
+    free = dataclasses.replace(cal, codec_per_param=0.0)
+    plain = predict(free, compression=1.0, **config)
+    squeezed = predict(free, compression=compression, **config)
+    return (plain.total - squeezed.total) / config["params"]
+
+
+def ring_and_tree_hops(world_size):
+    """Latency terms in units of alpha: the ring's 2(W-1) hops and a binary tree's 2 ceil(log2 W).
+
+    ``allreduce_time`` models the ring only. NCCL switches to trees (double binary trees) for small
+    messages and many ranks, whose latency grows with log W; gloo always runs its ring.
+    Introduced in 10_tradeoffs."""
+    import math
+
+    if world_size <= 1:
+        return 0, 0
+    return 2 * (world_size - 1), 2 * math.ceil(math.log2(world_size))
+
+
 # -- calibration ----------------------------------------------------------------------------
-def _weighted_line(xs, ts):
-    """Least squares t = a + b x, weighted by 1/t (relative error), a and b kept >= 0."""
-    w = [1.0 / t ** 2 for t in ts]
-    sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, xs))
-    st = sum(wi * t for wi, t in zip(w, ts))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs))
-    sxt = sum(wi * x * t for wi, x, t in zip(w, xs, ts))
-    det = sw * sxx - sx * sx
-    b = (sw * sxt - sx * st) / det
-    a = (st - b * sx) / sw
-    if a < 0:  # a line through the origin
-        a, b = 0.0, sxt / sxx
-    if b <= 0:  # flat: no size dependence measurable
-        a, b = st / sw, 1e-15
+def _line(xs, ts, what):
+    """t = a + b x by lesson 03's ``bench.fit_alpha_beta`` (relative least squares, a kept >= 0).
+
+    A slope that is not positive means the measurements cannot tell the size-dependent part from
+    noise: raise instead of inventing a figure."""
+    from course_utils.bench import fit_alpha_beta as fit_line
+
+    a, b = fit_line(xs, ts)
+    if not b > 0:
+        raise ValueError(f"{what}: the times do not grow with the size (fitted slope {b:.3g}), so the "
+                         "size-dependent cost cannot be told from noise: measure a wider range of sizes "
+                         "or more repeats, on a quieter machine")
     return a, b
 
 
 def fit_alpha_beta(sizes, times, world_size):
     """Fit the ring model to all-reduce times: (alpha s per hop, beta s per byte).
 
-    ``sizes`` in bytes, ``times`` in seconds, measured at ``world_size`` ranks.
-    Introduced in 10_tradeoffs."""
+    ``sizes`` in bytes, ``times`` in seconds, measured at ``world_size`` ranks. The line
+    t = a + b S is lesson 03's ``bench.fit_alpha_beta``; the ring spreads it over 2(W-1) hops
+    (a = 2(W-1) alpha) and 2(W-1)/W S bytes per link (b = 2(W-1)/W beta). Introduced in 10_tradeoffs."""
     if world_size < 2:
         raise ValueError("an all-reduce on one rank sends nothing: measure with world_size >= 2")
-    a, b = _weighted_line(sizes, times)
+    a, b = _line(sizes, times, "all-reduce sweep")
     hops = 2 * (world_size - 1)
     return a / hops, b * world_size / hops
 
 
 def fit_compute(params, micro_batches, times):
     """Fit t = overhead + 6 P mb / flop_rate to forward+backward times: (overhead s, flop_rate FLOP/s)."""
-    a, b = _weighted_line(micro_batches, times)
+    a, b = _line(micro_batches, times, "forward+backward sweep")
     return a, FLOP_PER_PARAM_PER_SAMPLE * params / b
 
 
@@ -224,22 +249,6 @@ def measure_compute(micro_batches, d_in, d_hidden, repeats=5):
             "codec_per_param": _best_time(codec, repeats) / params}
 
 
-def saved_sweep(world_size):
-    """Lesson 04's saved all-reduce sweep at ``world_size`` ranks: (sizes in bytes, seconds), or None
-    when lesson 04 has not saved one here (or saved it at another world size)."""
-    try:
-        from course_utils import bench
-        data = bench.load_measurements()
-    except (ImportError, OSError, ValueError):
-        return None
-    if not data or data.get("op") != "all_reduce" or data.get("world_size") != world_size:
-        return None
-    rows = [r for r in data.get("rows", []) if r.get("time_s", 0) > 0]
-    if len(rows) < 2:
-        return None
-    return [r["bytes"] for r in rows], [r["time_s"] for r in rows]
-
-
 def sweep_allreduce(cluster, sizes):
     """All-reduce seconds per size on ``cluster``'s ranks, the slowest rank's best of several.
 
@@ -260,18 +269,15 @@ class CalibrationRun:
     source: str
 
 
-def calibrate(cluster, *, d_in, d_hidden, sizes=None, micro_batches=(1, 4, 16, 64), use_saved=True):
+def calibrate(cluster, *, d_in, d_hidden, sizes=None, micro_batches=(1, 4, 16, 64)):
     """Measure this machine's figures on ``cluster``'s ranks and fit the model.
 
-    alpha and beta come from lesson 04's saved sweep when it exists at this world size
-    (``use_saved``), else from an all-reduce sweep here; compute figures are always measured
-    here, for the lesson's model. The slowest rank's times count. Introduced in 10_tradeoffs."""
-    saved = saved_sweep(cluster.world_size) if use_saved else None
-    if saved is not None:
-        (sizes, ar_times), source = saved, "lesson 04's sweep"
-    else:
-        sizes = list(sizes or [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 21, 1 << 22, 1 << 23])
-        ar_times, source = sweep_allreduce(cluster, sizes), "measured here"
+    alpha and beta from an all-reduce sweep (``sizes`` in bytes, 1 KiB to 8 MiB by default: about
+    a second), the compute figures from forward + backward of the lesson's model. Everything is
+    measured in this run, so the lesson needs no file from another notebook. The slowest rank's
+    times count. Introduced in 10_tradeoffs."""
+    sizes = list(sizes or [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 21, 1 << 22, 1 << 23])
+    ar_times, source = sweep_allreduce(cluster, sizes), "measured here"
     alpha, beta = fit_alpha_beta(sizes, ar_times, cluster.world_size)
 
     per_rank = cluster.run(measure_compute, list(micro_batches), d_in, d_hidden)
@@ -283,6 +289,89 @@ def calibrate(cluster, *, d_in, d_hidden, sizes=None, micro_batches=(1, 4, 16, 6
                       codec_per_param=max(r["codec_per_param"] for r in per_rank),
                       world_size=cluster.world_size)
     return CalibrationRun(cal, params, list(sizes), ar_times, list(micro_batches), comp_times, source)
+
+
+def step_phases(per_rank):
+    """The best repeat's phases from every rank's timestamps of repeated steps.
+
+    ``per_rank[r][j]`` is ``(t_compute, t_flat, t_reduced, t_step)`` of repeat ``j`` on rank ``r``:
+    seconds since the repeat's common start at the end of forward+backward, of flattening the
+    gradient, of the all-reduce and of the whole step. Per repeat: ``compute`` ends when the slowest
+    rank's compute ends; ``comm`` is the all-reduce alone, from the last rank entering it to the last
+    rank leaving it; ``update`` is the rest (flatten, copy back, ``optimizer.step``, ``zero_grad``),
+    which the model calls ``update``; ``step`` ends with the last rank. Returns the repeat with the
+    shortest step (other processes only ever add time). Introduced in 10_tradeoffs."""
+    best = None
+    for j in range(len(per_rank[0])):
+        compute = max(r[j][0] for r in per_rank)
+        entered = max(r[j][1] for r in per_rank)
+        left = max(r[j][2] for r in per_rank)
+        step = max(r[j][3] for r in per_rank)
+        row = {"compute": compute, "comm": left - entered, "update": step - compute - (left - entered),
+               "step": step}
+        if best is None or row["step"] < best["step"]:
+            best = row
+    return best
+
+
+def _median(values):
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def agreement(rows, predictions, band=2.0):
+    """Compare measured phases with the model's, and say what the comparison shows, in Markdown.
+
+    ``rows``: dicts with measured ``compute``, ``comm``, ``update`` (``step_phases``) and the
+    configuration's ``micro_batch`` and ``accum_steps``; ``predictions``: the model's ``StepTime``
+    for each. Returns ``(facts, text)``: ``facts`` holds the counts and median ratios the text is
+    built from, so the sentences always follow this run's numbers. Introduced in 10_tradeoffs."""
+    ratios = [(r["compute"] + r["comm"] + r["update"]) / p.total for r, p in zip(rows, predictions)]
+    phase = {
+        "compute": _median([r["compute"] / p.compute for r, p in zip(rows, predictions)]),
+        "all-reduce": _median([r["comm"] / p.comm for r, p in zip(rows, predictions)]),
+        "update": _median([r["update"] / p.update for r, p in zip(rows, predictions)]),
+    }
+    n = len(rows)
+    facts = {"n": n, "within": sum(1 / band <= x <= band for x in ratios), "above": sum(x > 1 for x in ratios),
+             "median": _median(ratios), "phase": phase,
+             "worst": max(phase, key=lambda k: max(phase[k], 1 / phase[k]))}
+    if facts["within"] == n:
+        band_text = f"All {n} configurations lie inside the grey band (within {band:g}x of the model)."
+    elif facts["within"] == 0:
+        band_text = f"None of the {n} configurations lies inside the grey band (within {band:g}x of the model)."
+    else:
+        band_text = (f"{facts['within']} of {n} configurations lie inside the grey band (within {band:g}x); "
+                     f"{n - facts['within']} lie outside it.")
+    if facts["above"] == n:
+        side = (f"Every point sits above the diagonal: the model is **optimistic**, measured steps take "
+                f"{facts['median']:.2g}x its prediction (median).")
+    elif facts["above"] == 0:
+        side = (f"Every point sits below the diagonal: the model is **pessimistic**, measured steps take "
+                f"{facts['median']:.2g}x its prediction (median).")
+    else:
+        side = (f"{facts['above']} points sit above the diagonal and {n - facts['above']} below: no systematic "
+                f"bias, median measured / predicted {facts['median']:.2g}x.")
+    by_phase = ", ".join(f"{k} {v:.2g}x" for k, v in phase.items())
+    worst = facts["worst"]
+    text = (f"{band_text} {side}\n\nPhase by phase (median of measured / model): {by_phase}. "
+            f"The largest gap is in the **{worst}**")
+    text += {
+        "all-reduce": (": the calibration timed the all-reduce back to back on the same buffer, both ranks "
+                       "released together by a barrier; in a step it starts when the later rank arrives, on a "
+                       "freshly flattened buffer."),
+        "compute": (": the calibration timed forward + backward back to back on gradients that already "
+                    "existed; in a step the first backward after `zero_grad` allocates them anew, after a "
+                    "spin-wait for the common start."),
+        "update": (": the calibration timed flattening, copying back and the optimizer step back to back "
+                   "on warm memory; in a step they follow the all-reduce."),
+    }[worst]
+    if facts["median"] > 1:
+        text += (" Also, a step posts a fast time only if all of its phases run undisturbed in the same repeat, "
+                 "while the calibration kept the best run of each phase separately (the best of sums is never "
+                 "below the sum of bests): on a busy machine that alone puts points above the diagonal.")
+    return facts, text
 
 
 def describe(cal):
@@ -370,8 +459,9 @@ def plot_ranks(compute, step, title="one step per rank, from a common start"):
 
 
 def plot_sweep(rows, predictions=None):
-    """Measured compute and communication per configuration (stacked bars), and the model's
-    predicted step time as markers. ``rows``: dicts with micro_batch, accum_steps, compute, comm."""
+    """Measured compute, communication (and update, when the rows have it) per configuration
+    (stacked bars), and the model's predicted step time as markers. ``rows``: dicts with
+    micro_batch, accum_steps, compute, comm and optionally update (``step_phases``)."""
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
@@ -380,6 +470,9 @@ def plot_sweep(rows, predictions=None):
     a1.bar(xs, [r["compute"] * 1e3 for r in rows], color="tab:blue", label="compute (measured)")
     a1.bar(xs, [r["comm"] * 1e3 for r in rows], bottom=[r["compute"] * 1e3 for r in rows],
            color="tab:orange", label="all-reduce (measured)")
+    if all("update" in r for r in rows):
+        a1.bar(xs, [r["update"] * 1e3 for r in rows], bottom=[(r["compute"] + r["comm"]) * 1e3 for r in rows],
+               color="tab:green", label="flatten, copy back, step (measured)")
     if predictions is not None:
         a1.plot(xs, [p.total * 1e3 for p in predictions], "k_", markersize=18, mew=2, label="model: step")
     a1.set_xticks(list(xs), labels, fontsize=7)
@@ -563,3 +656,89 @@ def _panel_class():
             return "CostModelPanel(sliders: " + ", ".join(SLIDERS) + ")"
 
     return CostModelPanel
+
+
+# -- exercises of 10_tradeoffs: the course's solutions (out of sight) and the self-checks ------------
+def smallest_accum_steps(cal, *, world_size, params, micro_batch, share=0.10, overlap=False, limit=1_000_000):
+    """Exercise 1's solution: the smallest accum_steps whose exposed communication is below ``share``."""
+    for k in range(1, limit + 1):
+        if predict(cal, world_size=world_size, params=params, micro_batch=micro_batch, accum_steps=k,
+                   overlap=overlap).comm_share < share:
+            return k
+    raise ValueError(f"no accum_steps up to {limit} brings exposed communication below {share:.0%}")
+
+
+def check_accum_steps(answer, cal, *, world_size, params, micro_batch, share=0.10):
+    """Self-check of 10_tradeoffs exercise 1: is ``answer`` the smallest accum_steps with exposed
+    communication below ``share`` of the step, in the model calibrated as ``cal``?
+
+    Raises ``AssertionError`` with what is wrong; quiet when right."""
+    __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide this frame)
+    if answer is None:
+        raise AssertionError("answer is None: set it to the smallest accum_steps for which exposed "
+                             f"communication is below {share:.0%} of the step, then run the cell again.")
+    if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
+        raise AssertionError(f"answer = {answer!r}: accum_steps counts micro-batches per optimizer step, "
+                             "a whole number >= 1.")
+
+    def exposed(k):
+        return predict(cal, world_size=world_size, params=params, micro_batch=micro_batch,
+                       accum_steps=k).comm_share
+
+    if not exposed(answer) < share:
+        raise AssertionError(
+            f"accum_steps={answer}: exposed communication is still {exposed(answer):.0%} of the step, not below "
+            f"{share:.0%}. Each step has one all-reduce whatever K is, so more micro-batches per step dilute it: "
+            "try a larger value.")
+    if answer > 1 and exposed(answer - 1) < share:
+        raise AssertionError(
+            f"accum_steps={answer} is below {share:.0%}, but accum_steps={answer - 1} already is too "
+            f"({exposed(answer - 1):.0%}): the question asks for the smallest. Step down until the share "
+            f"reaches {share:.0%}.")
+
+
+def straggler_step_solution(timed_step):
+    """Exercise 2's solution: one ``timed_step(16, 1)`` in which rank 0 sleeps 0.25 s after its backward.
+
+    Runs on every rank; returns ``(t_compute, t_step)``."""
+    import torch.distributed as dist
+
+    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25 if dist.get_rank() == 0 else 0.0)
+    return t_compute, t_step
+
+
+def check_straggler(t_compute, t_step, *, slow_rank=0, delay_s=0.25):
+    """Self-check of 10_tradeoffs exercise 2, run on every rank: ``slow_rank`` slept ``delay_s`` before
+    the all-reduce, no other rank did, and every rank's step outlasts the slowest compute (so the
+    others waited for it inside the all-reduce). Raises ``AssertionError`` with what is wrong.
+
+    Only the sleep and the all-reduce are timed against each other: a step's compute on a busy
+    machine can take tens of ms, so the sleep (0.25 s) is long enough that no rank's own compute
+    reaches it, and the order "step ends after the slowest compute" holds on any load."""
+    __tracebackhide__ = True  # noqa: F841
+    import torch
+    import torch.distributed as dist
+
+    if t_compute is None or t_step is None:
+        raise AssertionError("my_straggler_step must return (t_compute, t_step): this rank's seconds from the "
+                             "common start to the end of its compute and to the end of its step.")
+    mine = torch.tensor([float(t_compute), float(t_step)], dtype=torch.float64)
+    everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    compute = [t[0].item() for t in everyone]
+    step = [t[1].item() for t in everyone]
+    if compute[slow_rank] < delay_s:
+        raise AssertionError(
+            f"rank {slow_rank}'s compute took {compute[slow_rank]:.3f} s, less than a {delay_s:g} s "
+            f"sleep: make rank {slow_rank} (and only it) sleep after its backward and before the all-reduce, "
+            "e.g. with timed_step's delay_s.")
+    slept = [r for r in range(len(compute)) if r != slow_rank and compute[r] >= delay_s]
+    if slept:
+        raise AssertionError(
+            f"rank {slept[0]} also computed for at least {delay_s:g} s: only rank {slow_rank} should be the "
+            f"straggler (delay_s only where rank == {slow_rank}).")
+    late = [r for r in range(len(step)) if step[r] < max(compute)]
+    if late:
+        raise AssertionError(
+            f"rank {late[0]}'s t_step ends before rank {slow_rank}'s compute does: t_step must be taken after "
+            "the all-reduce (and the update), which cannot finish before every rank has arrived.")

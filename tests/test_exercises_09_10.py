@@ -1,0 +1,217 @@
+"""The exercises of 09_compression and 10_tradeoffs: each self-check rejects the unmodified scaffold
+and typical wrong answers with a reason a learner can act on, and accepts the course's solution.
+
+The exercise cells are taken from the notebooks themselves (found by a marker in their source), with
+``USE_SOLUTION = False`` and the learner's lines replaced by each answer, and run where the notebook
+runs them: on 2 gloo ranks (``%%ddp`` cells) or in this process.
+
+    .venv/bin/python -m pytest tests/test_exercises_09_10.py -p no:randomly
+"""
+import functools
+import types
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_utils import DistributedError, costmodel, hooks
+from course_utils.costmodel import Calibration
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def cell(notebook, marker):
+    """The source of the one code cell of ``notebook`` containing ``marker``, without a %%ddp line."""
+    nb = nbformat.read(NOTEBOOKS / notebook, as_version=4)
+    found = [c.source for c in nb.cells if c.cell_type == "code" and marker in c.source]
+    assert len(found) == 1, f"{notebook}: {len(found)} code cells contain {marker!r}"
+    source = found[0]
+    return source.split("\n", 1)[1] if source.startswith("%%ddp") else source
+
+
+def learner(source, **replacements):
+    """``source`` with USE_SOLUTION switched off and each ``old=new`` line replacement applied."""
+    assert "USE_SOLUTION = True" in source, "the exercise cell must switch its solution on with USE_SOLUTION"
+    source = source.replace("USE_SOLUTION = True", "USE_SOLUTION = False", 1)
+    for old, new in replacements.values():
+        assert old in source, f"{old!r} not in the exercise cell"
+        source = source.replace(old, new, 1)
+    return source
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster):
+    return make_cluster(2, timeout=120)
+
+
+def fails_on_ranks(cluster, source, *expected):
+    """Run ``source`` on the ranks; it must fail, and the error must say each of ``expected``."""
+    with pytest.raises(DistributedError) as info:
+        cluster.run(source)
+    message = str(info.value)
+    for words in expected:
+        assert words in message, f"expected {words!r} in the failure:\n{message}"
+    return message
+
+
+# -- 10_tradeoffs, exercise 1: the smallest accum_steps with exposed communication below 10% ----------
+CAL = Calibration(alpha=50e-6, beta=1 / 1e9, flop_rate=2e10, overhead=2e-4, update_per_param=1e-9, world_size=2)
+PARAMS = 528_385
+
+
+def run_exercise_1(answer_line):
+    source = cell("10_tradeoffs.ipynb", "check_accum_steps")
+    if answer_line is not None:
+        source = learner(source, answer=("answer = None", answer_line))
+    exec(compile(source, "exercise_1", "exec"), {"costmodel": costmodel, "cal": CAL, "n_params": PARAMS})
+
+
+def test_10_exercise_1_solution_passes():
+    k = costmodel.smallest_accum_steps(CAL, world_size=8, params=PARAMS, micro_batch=4)
+    assert k >= 3, "the test needs an answer with two smaller wrong ones"
+    run_exercise_1(None)  # the stored notebook: USE_SOLUTION = True
+    run_exercise_1(f"answer = {k}")
+
+
+@pytest.mark.parametrize("answer, reason", [
+    ("None", "answer is None: set it"),
+    ("1", "not below 10%"),
+    ("K - 1", "try a larger value"),          # off by one, too small
+    ("K + 1", "the question asks for the smallest"),   # off by one, too large
+    ("K * 1.0", "a whole number"),
+    ("0", "a whole number >= 1"),
+])
+def test_10_exercise_1_wrong_answers_fail_with_a_reason(answer, reason):
+    k = costmodel.smallest_accum_steps(CAL, world_size=8, params=PARAMS, micro_batch=4)
+    with pytest.raises(AssertionError, match=reason):
+        run_exercise_1(f"answer = {answer.replace('K', str(k))}")
+
+
+def test_10_exercise_1_model_is_monotone_so_the_smallest_is_well_defined():
+    shares = [costmodel.predict(CAL, world_size=8, params=PARAMS, micro_batch=4, accum_steps=k).comm_share
+              for k in range(1, 50)]
+    assert all(a > b for a, b in zip(shares, shares[1:]))
+
+
+# -- 10_tradeoffs, exercise 2: rank 0 as the straggler ------------------------------------------------
+def setup_10(cluster):
+    cluster.run(cell("10_tradeoffs.ipynb", "def timed_step"))
+
+
+STRAGGLER_BODY = '    raise NotImplementedError("write my_straggler_step'
+
+
+def straggler_answer(body):
+    source = cell("10_tradeoffs.ipynb", "check_straggler")
+    old = next(line for line in source.splitlines() if line.startswith(STRAGGLER_BODY))
+    return learner(source, body=(old, body))
+
+
+def test_10_exercise_2_solution_passes(cluster):
+    setup_10(cluster)
+    cluster.run(cell("10_tradeoffs.ipynb", "check_straggler"))
+    cluster.run(straggler_answer(
+        "    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25 if rank == 0 else 0.0)\n"
+        "    return t_compute, t_step"))
+
+
+def test_10_exercise_2_scaffold_fails(cluster):
+    setup_10(cluster)
+    fails_on_ranks(cluster, learner(cell("10_tradeoffs.ipynb", "check_straggler")),
+                   "NotImplementedError", "write my_straggler_step")
+
+
+@pytest.mark.parametrize("body, reason", [
+    # section 2's habit: the last rank sleeps
+    ("    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25 if rank == world_size - 1 else 0.0)\n"
+     "    return t_compute, t_step", "rank 0's compute took"),
+    ("    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25)\n    return t_compute, t_step",
+     "rank 1 also computed"),
+    ("    t_compute, *_, t_step = timed_step(16, 1)\n    return t_compute, t_step", "less than a 0.25 s sleep"),
+    # the sleep after the step: nobody waits for it in the all-reduce
+    ("    t_compute, *_, t_step = timed_step(16, 1)\n"
+     "    time.sleep(0.25 if rank == 0 else 0.0)\n    return t_compute, t_step", "less than a 0.25 s sleep"),
+    # the step's end taken before the all-reduce
+    ("    t_compute, t_flat, *_ = timed_step(16, 1, delay_s=0.25 if rank == 0 else 0.0)\n"
+     "    return t_compute, t_compute", "t_step must be taken after"),
+    ("    timed_step(16, 1, delay_s=0.25 if rank == 0 else 0.0)\n    return None, None",
+     "must return (t_compute, t_step)"),
+])
+def test_10_exercise_2_wrong_answers_fail_with_a_reason(cluster, body, reason):
+    setup_10(cluster)
+    fails_on_ranks(cluster, straggler_answer(body), reason)
+
+
+# -- 09_compression, exercise 1: bytes of fp16_compress_wrapper(powerSGD_hook) at rank 1 -------------------
+# The ranks measure (a %%ddp cell); the notebook process checks the prediction, so a wrong answer raises
+# in the notebook, not on ranks whose PowerSGD callbacks ran on gloo's threads.
+def measure_09(cluster):
+    cluster.run(cell("09_compression.ipynb", "def grad_error"))
+    cluster.run("from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook")
+    cluster.run(cell("09_compression.ipynb", "fp16_psgd_bytes = "))
+
+
+def run_09_exercise_1(cluster, answer_line):
+    from course_utils.models import make_model
+
+    source = cell("09_compression.ipynb", "check_fp16_powersgd_bytes")
+    if answer_line is not None:
+        source = learner(source, answer=("predicted_bytes = None", answer_line))
+    exec(compile(source, "exercise_1", "exec"),
+         {"hooks": hooks, "make_model": make_model, "get_cluster": lambda: cluster})
+
+
+def test_09_exercise_1_solution_passes(cluster, capsys):
+    measure_09(cluster)
+    run_09_exercise_1(cluster, None)
+    run_09_exercise_1(cluster, "predicted_bytes = 2 * (257 + (128 + 32) * 1)")
+    assert "exercise 1: right, 834 bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, reason", [
+    ("None", "predicted_bytes is None"),
+    ("4 * (257 + 160)", "PowerSGD's count in float32"),      # forgot the wrapper's cast
+    ("2 * 4353", "the whole gradient in float16"),           # forgot PowerSGD
+    ("2 * 160", "you counted P and Q only"),                 # forgot the uncompressed tensors
+    ("900", "Count the numbers PowerSGD all-reduces"),
+    ("834.0", "a whole number of bytes"),
+])
+def test_09_exercise_1_wrong_answers_fail_with_a_reason(cluster, answer, reason):
+    if cluster.run("'fp16_psgd_bytes' in globals()") != [True, True]:
+        measure_09(cluster)
+    with pytest.raises(AssertionError, match=reason):
+        run_09_exercise_1(cluster, f"predicted_bytes = {answer}")
+
+
+def test_09_exercise_1_checker_notices_a_wrong_measurement():
+    from course_utils.models import make_model
+
+    with pytest.raises(AssertionError, match="the counter measured 1668 bytes"):
+        hooks.check_fp16_powersgd_bytes(834, 1668, make_model(0, d_in=32, d_hidden=128))
+
+
+# -- 09_compression, exercise 2: the tightest power-of-ten rtol for fp16_hook --------------------------------
+def run_09_exercise_2(cluster, rtol_line):
+    source = cell("09_compression.ipynb", "check_tightest_rtol")
+    if rtol_line is not None:
+        source = learner(source, rtol=("rtol = None", rtol_line))
+    shim = types.SimpleNamespace(fp16_hook=hooks.fp16_hook, fp16_tightest_rtol=hooks.fp16_tightest_rtol,
+                                 check_tightest_rtol=functools.partial(hooks.check_tightest_rtol, cluster=cluster))
+    exec(compile(source, "exercise_2", "exec"), {"hooks": shim})
+
+
+def test_09_exercise_2_solution_passes(cluster):
+    assert hooks.fp16_tightest_rtol() == pytest.approx(1e-3)
+    run_09_exercise_2(cluster, None)
+    run_09_exercise_2(cluster, "rtol = 1e-3")
+
+
+@pytest.mark.parametrize("rtol, reason", [
+    ("None", "rtol is None"),
+    ("1e-4", "is too tight"),               # 2^-11 read as "about 1e-4"
+    ("1e-2", "so does rtol=0.001"),         # passes, but not the tightest
+    ("2 ** -11", "is not a power of ten"),  # the rounding error itself
+])
+def test_09_exercise_2_wrong_answers_fail_with_a_reason(cluster, rtol, reason):
+    with pytest.raises(AssertionError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        run_09_exercise_2(cluster, f"rtol = {rtol}")
