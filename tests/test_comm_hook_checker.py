@@ -13,25 +13,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from course_utils.checks import check_comm_hook
 from course_utils.hooks import bf16_hook, fp16_hook
 
-try:
-    from conftest import register_by_value
-except ImportError:  # conftest without the helper yet
-    from cloudpickle import register_pickle_by_value as register_by_value
+from conftest import register_by_value
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
 
 @pytest.fixture(scope="module")
-def cluster3(request):
-    """3 gloo ranks shared by this module (conftest's make_cluster when it exists)."""
-    try:
-        make_cluster = request.getfixturevalue("make_cluster")
-    except pytest.FixtureLookupError:
-        from course_utils import Cluster
-
-        with Cluster(world_size=3, backend="gloo", timeout=30) as c:
-            yield c
-        return
-    yield make_cluster(world_size=3, timeout=30)
+def cluster3(make_cluster):
+    return make_cluster(world_size=3, timeout=30)  # gloo, shared within this module
 
 
 # -- hooks the checker must reject --------------------------------------------------------------

@@ -2,7 +2,6 @@
 import sys
 import time
 
-import cloudpickle
 import pytest
 import torch
 from torch import nn
@@ -10,15 +9,14 @@ from torch import nn
 from course_utils import ddp_probes
 from course_utils.ddp_probes import GradReadyRecorder, overlap, ring_bytes_per_rank, step_time, table
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+from conftest import register_by_value  # noqa: E402
+
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
 
 @pytest.fixture(scope="module")
-def cluster2():
-    from course_utils import Cluster
-
-    with Cluster(world_size=2, backend="gloo", timeout=60) as c:
-        yield c
+def cluster2(make_cluster):
+    return make_cluster(world_size=2, timeout=60)  # gloo, shared within this module
 
 
 def stack(width=64, depth=3, seed=0):

@@ -13,25 +13,13 @@ from course_utils.checks import check_comm_hook, check_fp16_wrapper
 from course_utils.ddp_probes import REORDERED_BUCKET0, check_bucket0_prediction
 from course_utils.hooks import avg_hook, fp16_wrap
 
-try:
-    from conftest import register_by_value
-except ImportError:  # conftest without the helper yet
-    from cloudpickle import register_pickle_by_value as register_by_value
+from conftest import register_by_value
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
 
 @pytest.fixture(scope="module")
-def cluster2(request):
-    """2 gloo ranks shared by this module (conftest's make_cluster when it exists)."""
-    try:
-        make_cluster = request.getfixturevalue("make_cluster")
-    except pytest.FixtureLookupError:
-        from course_utils import Cluster
-
-        with Cluster(world_size=2, backend="gloo", timeout=60) as c:
-            yield c
-        return
-    yield make_cluster(world_size=2, timeout=60)
+def cluster2(make_cluster):
+    return make_cluster(world_size=2, timeout=60)  # gloo, shared within this module
 
 
 # -- 06, exercise 2: accumulate(model, batches) with require_backward_grad_sync ------------------

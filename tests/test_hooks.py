@@ -1,24 +1,22 @@
 """course_utils.hooks with real processes (gloo, 2 ranks): byte counting and low-precision hooks."""
 import sys
 
-import cloudpickle
 import pytest
 import torch
 
 from course_utils.hooks import flat_grad, relative_error
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+from conftest import register_by_value  # noqa: E402
+
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
 D_IN, D_HIDDEN = 32, 128
 N_PARAMS = D_IN * D_HIDDEN + D_HIDDEN + D_HIDDEN + 1  # TinyMLP(32, 128, 1)
 
 
 @pytest.fixture(scope="module")
-def cluster2():
-    from course_utils import Cluster
-
-    with Cluster(world_size=2, backend="gloo", timeout=60) as c:
-        yield c
+def cluster2(make_cluster):
+    return make_cluster(world_size=2, timeout=60)  # gloo, shared within this module
 
 
 def count(hook_name, steps=4, rank_r=2, start=2):
