@@ -13,7 +13,7 @@ import pytest
 
 from conftest import alive, children_of
 from course_utils import Cluster, DistributedError, DistributedTimeout, launch
-from engine_env import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
+from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
 # -- results, names, functions --------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, alive
 from course_utils import Cluster, DistributedError, DistributedTimeout
-from engine_env import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
+from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,11 @@ def _parse(line):
     size = args.world_size if args.world_size is not None else (_CLUSTER.world_size if _CLUSTER else 2)
     if args.rank is not None and not 0 <= args.rank < size:
         raise UsageError(f"%%ddp --rank {args.rank}: there is no such rank. Ranks go from 0 to {size - 1}.")
+    if args.backend is not None:
+        try:  # e.g. nccl without a GPU per rank: an option mistake, found before the ranks are touched
+            launcher.choose_backend(args.backend, size)
+        except ValueError as exc:
+            raise UsageError(f"%%ddp --backend {args.backend}: {exc}") from None
     return args
 
 
