@@ -215,6 +215,15 @@ def frozen_after_wrapping(module, bucket_cap_mb):
     return wrapper
 
 
+def no_rebuild(module, bucket_cap_mb):
+    """Right, overlapping when registration order is backward's order, but never rebuilt."""
+    from course_utils.micro_ddp import MicroDDP
+
+    wrapper = MicroDDP(module, bucket_cap_mb)
+    wrapper.rebuild_buckets = False
+    return wrapper
+
+
 class _NoDivide:
     def start(self, flat, bucket, group):
         return dist.all_reduce(flat, group=group, async_op=True), None
@@ -227,7 +236,7 @@ class _Fp64:  # all-reduce in float64: differs from torch DDP by rounding only (
         return work, lambda: flat.copy_(wide / dist.get_world_size(group))
 
 
-def _micro_ddp_verdict(kind):
+def _micro_ddp_verdict(kind, rebuild=False):
     import torch
 
     from course_utils import micro_ddp as ref
@@ -244,8 +253,9 @@ def _micro_ddp_verdict(kind):
         "fp16-near-miss": lambda m, cap: ref.MicroDDP(m, cap, compressor=ref.Cast(torch.float16)),
         "fp64-rounding": lambda m, cap: ref.MicroDDP(m, cap, compressor=_Fp64()),
         "solution": lambda m, cap: ref.MicroDDP(m, cap),
+        "no-rebuild": no_rebuild,
     }
-    return _verdict(check_micro_ddp, makers[kind])
+    return _verdict(check_micro_ddp, makers[kind], rebuild=rebuild)
 
 
 @pytest.mark.parametrize("kind, words", [
@@ -267,3 +277,11 @@ def test_check_micro_ddp_explains_wrong_wrappers(cluster, kind, words):
 @pytest.mark.parametrize("kind", ["solution", "per-parameter-async", "fp64-rounding"])
 def test_check_micro_ddp_passes_the_solution_and_rounding_differences(cluster, kind):
     assert cluster.run(_micro_ddp_verdict, kind) == [None, None]
+
+
+def test_exercise_3_rebuild_check(cluster):
+    verdict = cluster.run(_micro_ddp_verdict, "no-rebuild", True)[0]
+    assert verdict and "another order than registered" in verdict and "overlap" in verdict \
+        and "rebuild the buckets in the order the hooks fired" in verdict, verdict
+    assert cluster.run(_micro_ddp_verdict, "no-rebuild", False) == [None, None], "without rebuild=True it passes"
+    assert cluster.run(_micro_ddp_verdict, "solution", True) == [None, None], "the reference rebuilds: it passes"

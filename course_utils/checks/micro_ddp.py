@@ -211,13 +211,14 @@ def _spy_all_reduce(log):
         dist.all_reduce = c10d.all_reduce = original
 
 
-def _overlap_problem(case, log, n_params):
-    """None if an async all-reduce started while backward still had a gradient to compute."""
+def _overlap_problem(case, log, n_params, hint="", min_to_come=1):
+    """None if an async all-reduce started while backward still had ``min_to_come`` gradients to compute
+    (besides the one whose hook launched it)."""
     seen, early, blocking = 0, [], []
     for what, async_op in log:
         if what == "grad":
             seen += 1
-        elif seen < n_params - 1:  # at least one gradient still to come after this launch
+        elif n_params - seen - 1 >= min_to_come:  # gradients still to come after this launch
             (early if async_op else blocking).append(seen)
     if early:
         return None
@@ -226,7 +227,7 @@ def _overlap_problem(case, log, n_params):
                 "(async_op=False), so nothing overlaps. Start them with async_op=True and wait at the end of backward.")
     return (f"{case}: the gradients are numerically right, but no all-reduce started before backward had computed "
             "(nearly) every gradient, so communication does not overlap backward. Launch a bucket's all-reduce "
-            "(async_op=True) from the gradient hooks as soon as the bucket is full, not after backward.")
+            "(async_op=True) from the gradient hooks as soon as the bucket is full, not after backward." + hint)
 
 
 def _agree(problem):
@@ -296,7 +297,10 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
             opt.step()
         local.load_state_dict(torch_ddp.module.state_dict())  # the local grad is the same step's, per rank
     if overlap:
-        return _agree(_overlap_problem(case, watched, len(trainable)))
+        hint = ("" if kind == "mlp" else " Here backward produces the gradients in another order than reverse "
+                "registration: after the first backward, rebuild the buckets in the order the hooks fired.")
+        to_come = 1 if kind == "mlp" else len(trainable) // 2  # reordered: bucket 0 must not wait for embed
+        return _agree(_overlap_problem(case, watched, len(trainable), hint, to_come))
     return None
 
 
@@ -322,17 +326,19 @@ CASES = [("25 MiB buckets", 25, 1, "mlp", False),
          ("a model with a frozen parameter", 1e-9, 1, "frozen", False)]
 
 
-def check_micro_ddp(make):
+def check_micro_ddp(make, rebuild=False):
     """``make(module, bucket_cap_mb)`` -> your DDP wrapper. Compared with torch DDP over SGD-with-momentum
     steps: default buckets, one bucket per parameter (where it must also overlap: an all-reduce started
     while backward still computes gradients), 3-step accumulation with no_sync(), a model used in another
-    order than registered, a tied weight, and a frozen parameter."""
-    problem = _first_problem([lambda c=c: _compare(make, c[0], c[1], c[2], kind=c[3], overlap=c[4]) for c in CASES])
+    order than registered, a tied weight, and a frozen parameter. ``rebuild=True`` also requires overlap on
+    the model used out of registration order, from its third step: buckets rebuilt in grad-ready order."""
+    cases = [c[:4] + (c[4] or (rebuild and c[3] == "reordered"),) for c in CASES]
+    problem = _first_problem([lambda c=c: _compare(make, c[0], c[1], c[2], kind=c[3], overlap=c[4]) for c in cases])
     _verdict(problem)
     if dist.get_rank() == 0:
         print(f"check_micro_ddp: matches torch DDP within {TOL:g} on {len(CASES)} cases (default buckets; one bucket "
-              "per parameter, overlapping backward; no_sync accumulation; layers used out of registration order; "
-              "a tied weight; a frozen parameter).")
+              "per parameter, overlapping backward; no_sync accumulation; layers used out of registration order"
+              f"{', overlapping after the rebuild' if rebuild else ''}; a tied weight; a frozen parameter).")
 
 
 # -- exercise: a compressor -----------------------------------------------------------------------
