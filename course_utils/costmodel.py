@@ -326,7 +326,9 @@ def agreement(rows, predictions, band=2.0):
     ``rows``: dicts with measured ``compute``, ``comm``, ``update`` (``step_phases``) and the
     configuration's ``micro_batch`` and ``accum_steps``; ``predictions``: the model's ``StepTime``
     for each. Returns ``(facts, text)``: ``facts`` holds the counts and median ratios the text is
-    built from, so the sentences always follow this run's numbers. Introduced in 10_tradeoffs."""
+    built from, so the sentences always follow this run's numbers. ``text`` is one line, which the
+    notebook shows after "Measured here:" (tests/sanitize.cfg's rule for sentences chosen from timings).
+    Introduced in 10_tradeoffs."""
     ratios = [(r["compute"] + r["comm"] + r["update"]) / p.total for r, p in zip(rows, predictions)]
     phase = {
         "compute": _median([r["compute"] / p.compute for r, p in zip(rows, predictions)]),
@@ -355,7 +357,7 @@ def agreement(rows, predictions, band=2.0):
                 f"bias, median measured / predicted {facts['median']:.2g}x.")
     by_phase = ", ".join(f"{k} {v:.2g}x" for k, v in phase.items())
     worst = facts["worst"]
-    text = (f"{band_text} {side}\n\nPhase by phase (median of measured / model): {by_phase}. "
+    text = (f"{band_text} {side} Phase by phase (median of measured / model): {by_phase}. "
             f"The largest gap is in the **{worst}**")
     text += {
         "all-reduce": (": the calibration timed the all-reduce back to back on the same buffer, both ranks "

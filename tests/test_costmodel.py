@@ -162,6 +162,7 @@ def test_agreement_sentences_follow_the_numbers():
     assert facts["within"] == 0 and "None of the 4" in text and "**optimistic**" in text
     assert facts["worst"] == "compute" and "largest gap is in the **compute**" in text
     assert "best of sums" in text
+    assert "\n" not in text, "one line: the notebook's 'Measured here:' sanitiser covers a line"
     fast = [{"compute": 0.001, "comm": 0.004, "update": 0.001}] * 4
     facts, text = costmodel.agreement(fast, predictions)
     assert "**pessimistic**" in text and "best of sums" not in text
