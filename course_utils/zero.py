@@ -219,7 +219,8 @@ def count_collectives():
         with count_collectives() as calls:
             loss.backward(); optimizer.step()
         calls             # [("all-reduce", payload bytes, world size), ...]
-        sent_bytes(calls) # bytes a ring sends per rank, an exact integer or Fraction
+        calls.sent()      # bytes a ring sends per rank: an exact integer (or Fraction)
+        calls.kinds()     # {"all-reduce": 1}
 
     The functions of ``torch.distributed`` are replaced by counting wrappers for the duration of the
     block (only the outermost call counts when one calls another). Anything that calls them through
