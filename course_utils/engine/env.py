@@ -1,4 +1,8 @@
-"""The environment check at the top of 00_launcher_tour: what the course needs, and what it found."""
+"""The environment check at the top of 00_launcher_tour: what the course needs, and what it found.
+
+The [OK]/[FAIL] lines name requirements only, so they read the same on every machine that meets them;
+what differs between machines (versions, GPUs, the backend %%ddp picks) is on lines that start with
+"This machine:" (sanitised by tests/sanitize.cfg)."""
 import importlib
 import platform
 import sys
@@ -25,11 +29,13 @@ def check_environment(world_sizes=(1, 2, 4)):
         ok &= bool(good)
         print(f"[{'OK' if good else 'FAIL'}] {text}")
 
-    report(sys.version_info >= (3, 10), f"Python {platform.python_version()} (3.10 or newer)")
+    found = [f"Python {platform.python_version()}"]
+    report(sys.version_info >= (3, 10), "Python 3.10 or newer")
     for name, why in REQUIRED:
         try:
             module = importlib.import_module(name)
-            report(True, f"{name} {getattr(module, '__version__', '')}: {why}")
+            found.append(f"{name} {getattr(module, '__version__', '?')}")
+            report(True, f"{name}: {why}")
         except ImportError as exc:
             report(False, f"{name} is missing ({exc}): run `make lab` to set up the environment")
     import torch
@@ -39,8 +45,8 @@ def check_environment(world_sizes=(1, 2, 4)):
     report(dist.is_available(), "torch.distributed is available")
     report(dist.is_gloo_available(), "the gloo backend (CPU) is available")
     gpus = _gpu_count()
-    print(f"devices: cpu{''.join(f', cuda:{i}' for i in range(gpus))} ({gpus} GPU{'s' if gpus != 1 else ''} visible)")
-    print(f"NCCL available: {dist.is_nccl_available()}")
-    for n in world_sizes:
-        print(f"%%ddp -n {n} would use: {choose_backend('auto', n)}")
+    print(f"This machine: {', '.join(found)}")
+    print(f"This machine: devices cpu{''.join(f', cuda:{i}' for i in range(gpus))} "
+          f"({gpus} GPU{'s' if gpus != 1 else ''} visible), NCCL available: {dist.is_nccl_available()}")
+    print("This machine: " + "; ".join(f"%%ddp -n {n} would use {choose_backend('auto', n)}" for n in world_sizes))
     return ok

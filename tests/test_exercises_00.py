@@ -1,0 +1,71 @@
+"""Lesson 00, exercise 2: the self-check fails the notebook's unmodified scaffold and typical wrong answers,
+each with a reason a learner can act on, and passes the course's solution."""
+import json
+
+import pytest
+
+from conftest import ROOT
+from course_utils.tour import check_sum_of_squares
+from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
+
+
+def _scaffold():
+    """The %%ddp cell of the stored notebook that defines sum_of_squares, without its %%ddp line."""
+    nb = json.loads((ROOT / "notebooks" / "00_launcher_tour.ipynb").read_text(encoding="utf-8"))
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    [cell] = [c for c in cells if "def sum_of_squares" in c]
+    first, _, body = cell.partition("\n")
+    assert first.startswith("%%ddp")
+    return body
+
+
+@pytest.fixture
+def cluster(make_cluster):
+    c = make_cluster(4, timeout=60)
+    c.run("globals().pop('sum_of_squares', None)\nimport torch, torch.distributed as dist")
+    return c
+
+
+def test_the_course_solution_passes(cluster):
+    check_sum_of_squares(use_solution=True, cluster=cluster)
+
+
+def test_the_unmodified_scaffold_fails_and_says_it_is_not_written(cluster):
+    cluster.run(_scaffold())
+    with pytest.raises(AssertionError, match="still raises NotImplementedError: write it"):
+        check_sum_of_squares(cluster=cluster)
+
+
+def test_a_missing_definition_says_which_cell_to_run(cluster):
+    with pytest.raises(AssertionError, match="not defined on the ranks: run the %%ddp cell"):
+        check_sum_of_squares(cluster=cluster)
+
+
+WRONG = {
+    "no all_reduce": ("return torch.tensor([float(rank ** 2)])", "called no dist.all_reduce"),
+    "sum of ranks": ("t = torch.tensor([float(rank)])\n    dist.all_reduce(t)\n    return t",
+                     "sum of the ranks: square each rank's number"),
+    "square of the sum": ("t = torch.tensor([float(rank)])\n    dist.all_reduce(t)\n    return t ** 2",
+                          "square of the sum: square before reducing"),
+    "max": ("t = torch.tensor([float(rank ** 2)])\n    dist.all_reduce(t, op=dist.ReduceOp.MAX)\n    return t",
+            "largest square: the reduction must add"),
+    "two all_reduces": ("t = torch.tensor([float(rank ** 2)])\n    dist.all_reduce(t)\n    dist.all_reduce(t)\n"
+                        "    return t / world_size", "called dist.all_reduce 2 times: one is enough"),
+    "a vector": ("t = torch.zeros(world_size)\n    t[rank] = rank ** 2\n    dist.all_reduce(t)\n    return t",
+                 r"returned shape \(4,\): return one number"),
+    "only rank 0 reduces": ("t = torch.tensor([float(rank ** 2)])\n    if rank == 0:\n        dist.all_reduce(t)\n"
+                            "    return t", "hung: every rank must call dist.all_reduce"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_typical_wrong_answers_fail_with_a_reason(cluster, name):
+    body, reason = WRONG[name]
+    cluster.run(f"def sum_of_squares():\n    {body}")
+    with pytest.raises(AssertionError, match=reason):
+        check_sum_of_squares(cluster=cluster, timeout=5 if name == "only rank 0 reduces" else 60)
+
+
+def test_a_right_answer_of_the_learners_own_passes(cluster):
+    cluster.run("def sum_of_squares():\n    t = torch.tensor(float(rank) ** 2)\n    dist.all_reduce(t)\n    return t")
+    check_sum_of_squares(cluster=cluster)
