@@ -88,9 +88,6 @@ def _under_nbval():
     return "PYTEST_CURRENT_TEST" in os.environ
 
 
-_plural = plural  # used by the checkers' messages
-
-
 class _Rank:
     """The notebook's end of one worker: its process, its command and result pipes, and the pipes
     that carry its stdout and stderr (fd level, so C and C++ output arrives too)."""
