@@ -363,16 +363,17 @@ def agreement(rows, predictions, band=2.0):
         "all-reduce": (": the calibration timed the all-reduce back to back on the same buffer, both ranks "
                        "released together by a barrier; in a step it starts when the later rank arrives, on a "
                        "freshly flattened buffer."),
-        "compute": (": the calibration timed forward + backward back to back on gradients that already "
-                    "existed; in a step the first backward after `zero_grad` allocates them anew, after a "
-                    "spin-wait for the common start."),
+        "compute": (": the calibration kept the best of several back-to-back forward + backward passes on "
+                    "gradients that already existed; in a step each micro-batch runs once, after the previous "
+                    "step's all-reduce and update went through the caches, and the first backward allocates "
+                    "the gradients that `zero_grad` freed."),
         "update": (": the calibration timed flattening, copying back and the optimizer step back to back "
                    "on warm memory; in a step they follow the all-reduce."),
     }[worst]
     if facts["median"] > 1:
         text += (" Also, a step posts a fast time only if all of its phases run undisturbed in the same repeat, "
                  "while the calibration kept the best run of each phase separately (the best of sums is never "
-                 "below the sum of bests): on a busy machine that alone puts points above the diagonal.")
+                 "below the sum of bests), which by itself can put points above the diagonal on a busy machine.")
     return facts, text
 
 

@@ -113,7 +113,8 @@ def test_memory_per_rank_ddp_is_flat_and_fsdp_shards():
 
 
 def test_calibrate_on_real_ranks(cluster):
-    run = costmodel.calibrate(cluster, d_in=32, d_hidden=64, sizes=[1 << 10, 1 << 16, 1 << 22],
+    # a model big enough that 64 samples cost clearly more than 1 (the fit refuses a flat line)
+    run = costmodel.calibrate(cluster, d_in=256, d_hidden=512, sizes=[1 << 10, 1 << 16, 1 << 22],
                               micro_batches=(1, 16, 64))
     cal = run.cal
     # the fits raise rather than invent a figure, so a calibration that returns has measured slopes
@@ -121,7 +122,7 @@ def test_calibrate_on_real_ranks(cluster):
     for name in ("alpha", "beta", "flop_rate", "update_per_param", "codec_per_param"):
         assert math.isfinite(getattr(cal, name)), name
     assert cal.update_per_param > 0 and cal.codec_per_param > 0
-    assert cal.world_size == 2 and run.params == 32 * 64 + 64 + 64 + 1 and run.source == "measured here"
+    assert cal.world_size == 2 and run.params == 256 * 512 + 512 + 512 + 1 and run.source == "measured here"
     assert run.allreduce_times[-1] > run.allreduce_times[0], "4 MiB cannot all-reduce faster than 1 KiB"
     # the fitted model reproduces what it was fitted on, within the noise of a shared machine
     for size, t in zip(run.sizes, run.allreduce_times):
