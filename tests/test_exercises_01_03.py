@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from conftest import register_by_value
+from test_all_reduce_checker import ring_dropping_remainder  # a chunked ring dropping numel % n
 from course_utils.checks import (check_activation_predictions, check_all_reduce, check_all_reduce_in_two_halves,
                                  check_gather_to_rank0, check_optimizer_state_predictions, check_ring_shift,
                                  check_sent_bytes_prediction)
@@ -263,25 +264,6 @@ def test_02_exercise_3_gather(clusters):
 
 
 # -- lesson 03 ----------------------------------------------------------------------------------
-def ring_dropping_remainder(tensor):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    flat = tensor.view(-1)
-    size = flat.numel() // n
-    chunks = [flat[i * size:(i + 1) * size] for i in range(n)]
-    left, right = (rank - 1) % n, (rank + 1) % n
-    buf = torch.empty_like(chunks[0])
-    for s in range(n - 1):
-        req = dist.isend(chunks[(rank - s) % n], right)
-        dist.recv(buf, left)
-        chunks[(rank - s - 1) % n] += buf
-        req.wait()
-    for s in range(n - 1):
-        req = dist.isend(chunks[(rank + 1 - s) % n], right)
-        dist.recv(buf, left)
-        chunks[(rank - s) % n].copy_(buf)
-        req.wait()
-
-
 def test_03_exercise_1_chunked_ring(make_cluster, clusters):
     from course_utils import allreduce
     from course_utils.allreduce import chunked_ring_all_reduce

@@ -6,19 +6,18 @@ solution (which must pass). Real gloo ranks.
 """
 import contextlib
 import sys
-from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from conftest import register_by_value
+from exercise_helpers import notebook_cell, run_exercise_cell, verdict
 
 register_by_value(sys.modules[__name__])  # the wrong answers below run on the ranks
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "11_capstone_micro_ddp.ipynb"
+NOTEBOOK = "11_capstone_micro_ddp.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -26,44 +25,14 @@ def cluster(make_cluster):
     return make_cluster(2, timeout=120)
 
 
-def _verdict(check, *args, **kwargs):
-    """None if the check passed, else its AssertionError's message (on every rank)."""
-    with contextlib.redirect_stdout(None):
-        try:
-            check(*args, **kwargs)
-        except AssertionError as exc:
-            return str(exc)
-    return None
-
-
-def _cell(marker):
-    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if marker in c.source]
-    assert len(cells) == 1, f"expected one cell of {NOTEBOOK.name} containing {marker!r}, found {len(cells)}"
-    return cells[0]
-
-
 # -- exercise 1: a compressor of your own (check_compressor) --------------------------------------
-
-def _run_exercise_cell(source):
-    """Run the notebook's exercise cell as the ranks would, with USE_SOLUTION as the source sets it."""
-    import torch
-    import torch.distributed as dist
-
-    body = "\n".join(line for line in source.splitlines() if not line.startswith("%%ddp"))
-    namespace = {"torch": torch, "dist": dist, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
-    with contextlib.redirect_stdout(None):
-        try:
-            exec(compile(body, "exercise-1-cell", "exec"), namespace)
-        except AssertionError as exc:
-            return str(exc)
-    return None
 
 
 def test_exercise_1_cell_passes_with_the_solution_and_its_scaffold_fails(cluster):
-    source = _cell("class MyFp16")
+    source = notebook_cell(NOTEBOOK, "class MyFp16")
     assert "USE_SOLUTION = True" in source, "the stored notebook must run the course's solution"
-    assert cluster.run(_run_exercise_cell, source) == [None, None], "the course's solution must pass"
-    verdict = cluster.run(_run_exercise_cell, source.replace("USE_SOLUTION = True", "USE_SOLUTION = False"))[0]
+    assert cluster.run(run_exercise_cell, source) == [None, None], "the course's solution must pass"
+    verdict = cluster.run(run_exercise_cell, source.replace("USE_SOLUTION = True", "USE_SOLUTION = False"))[0]
     assert verdict and "NotImplementedError" in verdict and "write MyFp16.start" in verdict, verdict
 
 
@@ -102,7 +71,7 @@ class Bf16:  # a near miss for max_rel_error=1e-3: right idea, 8 significant bit
 def _compressor_verdict(compressor):
     from course_utils.checks import check_compressor
 
-    return _verdict(check_compressor, compressor, max_rel_error=1e-3)
+    return verdict(check_compressor, compressor, max_rel_error=1e-3)
 
 
 @pytest.mark.parametrize("compressor, words", [
@@ -123,7 +92,7 @@ def test_check_compressor_passes_the_solution_and_bf16_at_its_tolerance(cluster)
     from course_utils.micro_ddp import Cast
 
     assert cluster.run(_compressor_verdict, Cast(torch.float16)) == [None, None]
-    assert cluster.run(lambda c: _verdict(__import__("course_utils.checks", fromlist=["x"]).check_compressor, c,
+    assert cluster.run(lambda c: verdict(__import__("course_utils.checks", fromlist=["x"]).check_compressor, c,
                                           max_rel_error=1e-2), Bf16()) == [None, None], "bf16 is within 1e-2"
 
 
@@ -255,7 +224,7 @@ def _micro_ddp_verdict(kind, rebuild=False):
         "solution": lambda m, cap: ref.MicroDDP(m, cap),
         "no-rebuild": no_rebuild,
     }
-    return _verdict(check_micro_ddp, makers[kind], rebuild=rebuild)
+    return verdict(check_micro_ddp, makers[kind], rebuild=rebuild)
 
 
 @pytest.mark.parametrize("kind, words", [

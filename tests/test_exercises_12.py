@@ -6,18 +6,17 @@ must fail with a reason a learner can act on) and the course's solution (which m
 import contextlib
 import sys
 from fractions import Fraction
-from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 
 from conftest import register_by_value
+from exercise_helpers import notebook_cell, run_exercise_cell, verdict
 
 register_by_value(sys.modules[__name__])  # the wrong answers below run on the ranks
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "12_zero_fsdp.ipynb"
+NOTEBOOK = "12_zero_fsdp.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -25,42 +24,15 @@ def cluster(make_cluster):
     return make_cluster(4, timeout=120)
 
 
-def _cell(marker):
-    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if marker in c.source]
-    assert len(cells) == 1, f"expected one cell of {NOTEBOOK.name} containing {marker!r}, found {len(cells)}"
-    return cells[0]
-
-
-def _verdict(check, *args):
-    """None if the check passed, else its AssertionError's message (on every rank)."""
-    with contextlib.redirect_stdout(None):
-        try:
-            check(*args)
-        except AssertionError as exc:
-            return str(exc)
-    return None
-
-
 # -- exercise 1: ZeRO-1's step (check_zero_step) ------------------------------------------------------
-
-def _run_exercise_cell(source):
-    """Run the notebook's exercise cell as the ranks would, with USE_SOLUTION as the source sets it."""
-    body = "\n".join(line for line in source.splitlines() if not line.startswith("%%ddp"))
-    namespace = {"torch": torch, "dist": dist, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
-    with contextlib.redirect_stdout(None):
-        try:
-            exec(compile(body, "exercise-1-cell", "exec"), namespace)
-        except AssertionError as exc:
-            return str(exc)
-    return None
 
 
 def test_exercise_cell_passes_with_the_solution_and_its_scaffold_fails(cluster):
-    source = _cell("check_zero_step(")
+    source = notebook_cell(NOTEBOOK, "check_zero_step(")
     assert "USE_SOLUTION = True" in source, "the stored notebook must run the course's solution"
     assert "all_gather" not in source and "flatten_grads" not in source, "the scaffold must not hold the answer"
-    assert cluster.run(_run_exercise_cell, source) == [None] * 4, "the course's solution must pass"
-    verdicts = cluster.run(_run_exercise_cell, source.replace("USE_SOLUTION = True", "USE_SOLUTION = False"))
+    assert cluster.run(run_exercise_cell, source) == [None] * 4, "the course's solution must pass"
+    verdicts = cluster.run(run_exercise_cell, source.replace("USE_SOLUTION = True", "USE_SOLUTION = False"))
     assert len(set(verdicts)) == 1, "every rank must give the same verdict"
     assert verdicts[0] and "not written yet" in verdicts[0] and "NotImplementedError" in verdicts[0], verdicts[0]
 
@@ -132,7 +104,7 @@ WRONG = {
 def _check(step):
     from course_utils.checks import check_zero_step
 
-    return _verdict(check_zero_step, step)
+    return verdict(check_zero_step, step)
 
 
 @pytest.mark.parametrize("wrong", list(WRONG), ids=[f.__name__ for f in WRONG])
@@ -189,13 +161,13 @@ def test_exercise_2_self_check(cluster):
     assert 1 < resharded < Fraction(3, 2)
     scaffold = contextlib.redirect_stdout(None)
     with scaffold:
-        assert _verdict(check_fsdp_bytes_prediction, None, measured, resharded) is None
+        assert verdict(check_fsdp_bytes_prediction, None, measured, resharded) is None
     assert "Set prediction" in _printed(check_fsdp_bytes_prediction, None, measured, resharded)
     for wrong, words in [(resharded, "WITH resharding"), (Fraction(3, 2), "WITH resharding"),
                          (Fraction(1, 2), "too little"), (Fraction(2), "add up each phase")]:
-        verdict = _verdict(check_fsdp_bytes_prediction, wrong, measured, resharded)
-        assert verdict and words in verdict, (wrong, verdict)
-    assert _verdict(check_fsdp_bytes_prediction, Fraction(1), measured, resharded) is None
+        said = verdict(check_fsdp_bytes_prediction, wrong, measured, resharded)
+        assert said and words in said, (wrong, said)
+    assert verdict(check_fsdp_bytes_prediction, Fraction(1), measured, resharded) is None
     assert "Right" in _printed(check_fsdp_bytes_prediction, 1, measured, resharded)
 
 

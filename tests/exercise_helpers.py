@@ -1,0 +1,50 @@
+"""Helpers shared by the tests of the lessons' exercises (tests/test_exercises_*.py): find an exercise cell
+in a stored notebook, run it as the ranks would, and turn a self-check's AssertionError into its message.
+
+The ranks cannot import test files, so this module is registered to be pickled by value.
+"""
+import contextlib
+from pathlib import Path
+
+import nbformat
+
+from conftest import register_by_value
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def notebook_cell(notebook, marker):
+    """The source of the one cell of ``notebooks/<notebook>`` that contains ``marker``."""
+    path = NOTEBOOKS / notebook
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if marker in c.source]
+    assert len(cells) == 1, f"expected one cell of {path.name} containing {marker!r}, found {len(cells)}"
+    return cells[0]
+
+
+def verdict(check, *args, **kwargs):
+    """None if ``check`` passed, else its AssertionError's message (on every rank)."""
+    with contextlib.redirect_stdout(None):
+        try:
+            check(*args, **kwargs)
+        except AssertionError as exc:
+            return str(exc)
+    return None
+
+
+def run_exercise_cell(source):
+    """Run a notebook's exercise cell as the ranks would (without its %%ddp line), with USE_SOLUTION as the
+    source sets it: None if its self-check passed, else the verdict."""
+    import torch
+    import torch.distributed as dist
+
+    body = "\n".join(line for line in source.splitlines() if not line.startswith("%%ddp"))
+    namespace = {"torch": torch, "dist": dist, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    with contextlib.redirect_stdout(None):
+        try:
+            exec(compile(body, "exercise-cell", "exec"), namespace)
+        except AssertionError as exc:
+            return str(exc)
+    return None
+
+
+register_by_value(__name__)
