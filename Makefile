@@ -43,4 +43,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py
 
 clean:
-	rm -rf $(VENV) test-artifacts notebooks/.measurements
+	rm -rf $(VENV) test-artifacts

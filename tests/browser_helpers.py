@@ -44,7 +44,7 @@ class JupyterLab:
     def __init__(self, notebooks: Path, tmp: Path):
         self.tmp = tmp
         self.root = tmp / "notebooks"
-        shutil.copytree(notebooks, self.root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", ".measurements"))
+        shutil.copytree(notebooks, self.root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
         self.token = secrets.token_hex(24)
         self.log_path = tmp / "jupyterlab.log"
         self.proc = None
