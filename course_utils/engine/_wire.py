@@ -49,12 +49,22 @@ class Pickler(cloudpickle.Pickler):
         name = self.rename.get(code.co_filename, code.co_filename)
         return _named_code, (_CODE_REDUCE(code)[1], name)
 
+
+
+class _CPUPickler(Pickler):
+    """Used once this process has initialised CUDA (a rank on NCCL): a tensor on a GPU travels as a CPU
+    tensor, since unpickling it would initialise CUDA in the notebook."""
+
     def reducer_override(self, obj):
-        """A tensor on a GPU travels as a CPU tensor: unpickling it must not initialise CUDA in the notebook."""
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
             return _same, (obj.detach().to("cpu"),)
         return super().reducer_override(obj)
+
+
+def _cuda_in_use():
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def _same(value):
@@ -70,7 +80,7 @@ class Undecodable:
 
 def dumps(obj, rename=None) -> bytes:
     buf = io.BytesIO()
-    Pickler(buf, rename).dump(obj)
+    (_CPUPickler if _cuda_in_use() else Pickler)(buf, rename).dump(obj)
     return buf.getvalue()
 
 

@@ -5,7 +5,6 @@ normal script. A control thread answers the notebook while the main thread is bu
 reports where the main thread is stuck and releases the other ranks on an abort.
 """
 import ast
-import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -133,20 +132,6 @@ _SOURCES = set()  # filenames of code sent by the notebook (cells and functions)
 
 def _note(text):
     print(f"note: {text}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _sigint_blocked():
-    """No KeyboardInterrupt in the engine's own bookkeeping (the handler only raises inside
-    Worker.learner; this also holds off a signal that arrives between two bytecodes here)."""
-    if hasattr(signal, "pthread_sigmask"):
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            yield
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    else:
-        yield
 
 
 def _register_sources(sources):
@@ -388,17 +373,15 @@ class Worker:
                 value = self.ns.get(msg[2], _wire.MISSING)
             else:
                 raise ValueError(f"unknown command {kind!r}")
-        except BaseException as exc:
+        except BaseException as exc:  # a SIGINT raises only inside learner(): none can land below
             ok, value = False, _error_info(exc)
-            with _sigint_blocked():
-                self.busy = False
-                if self.manage_group:
-                    self.destroy_process_group()  # releases the ranks waiting for us in a collective
-                else:
-                    self.cut_peer_connections()
-        with _sigint_blocked():
             self.busy = False
-            self.finish(run_id, ok, value)
+            if self.manage_group:
+                self.destroy_process_group()  # releases the ranks waiting for us in a collective
+            else:
+                self.cut_peer_connections()
+        self.busy = False
+        self.finish(run_id, ok, value)
 
     def learner(self, fn, *args, **kwargs):
         """Run the learner's code: the only place where a SIGINT from the notebook interrupts."""

@@ -6,10 +6,12 @@ torch.distributed initialised once, so a cell costs a pipe round trip, not a pro
 The notebook talks to its ranks over private pipes; the only sockets are torch's own
 rendezvous store and the backend's connections, all on 127.0.0.1.
 """
+import _signal
 import contextlib
 import math
 import os
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -28,6 +30,7 @@ ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish
 RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
 START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
 PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
+POLL_S = 0.1           # how often the loop asks the OS whether a rank exited
 DRAIN_S = 2.0          # how long the output of a dead rank is still read (a child it forked may hold the pipe)
 
 
@@ -285,6 +288,8 @@ class Cluster:
         self._live = None
         self._interrupted = False
         self._inbox = []  # messages other than results and progress, for the loop that waits for them
+        self._sel = None  # selector over the live ranks' pipes (see _selector)
+        self._next_poll = 0.0  # when to ask the OS again whether a rank exited
         self.pids = []
         self.started_at = None
         self.restarts = 0
@@ -303,6 +308,7 @@ class Cluster:
 
     # -- life cycle --------------------------------------------------------------------
     def _start(self):
+        self._forget_selector()
         self._ranks = _spawn(self.world_size, self.backend, self._pg_timeout, self._group)
         self._generation = 0
         self._finalizer = weakref.finalize(self, _kill, list(self._ranks))
@@ -318,11 +324,13 @@ class Cluster:
 
             self._pump_until(started, time.monotonic() + START_TIMEOUT_S)
         except BaseException:  # a stop (KeyboardInterrupt) while the ranks start: none may be left running
+            self._forget_selector()
             self._finalizer()
             self._ranks = []
             raise
         if len(ready) < self.world_size:
             out = {rk.rank: rk.take_lines() for rk in self._ranks}
+            self._forget_selector()
             self._finalizer()
             self._ranks = []
             lines = [f"  rank {r}: {e['type']}: {e['message']}" for r, e in sorted(errors.items())]
@@ -348,6 +356,7 @@ class Cluster:
     def shutdown(self):
         """Stop every rank. Safe to call twice."""
         if self._ranks:
+            self._forget_selector()
             self._finalizer.detach()
             _shutdown(self._ranks)
             self._ranks = []
@@ -430,27 +439,42 @@ class Cluster:
     # -- the loop ------------------------------------------------------------------------
     def _pump(self, wait):
         """Read whatever the ranks sent within ``wait`` seconds; keep results, progress and output."""
-        sel = selectors.DefaultSelector()  # not select.select: it fails above fd 1024
+        sel = self._selector()
+        if sel is None:
+            time.sleep(wait)
+            return
+        poller, owner = sel
         try:
+            events = poller.poll(wait * 1000)
+        except InterruptedError:
+            events = []
+        for fd, _ in events:
+            self._read(owner[fd], fd)
+        now = time.monotonic()
+        if now >= self._next_poll:  # a rank whose forked child holds its pipes gives no EOF: ask the OS
+            self._next_poll = now + POLL_S
             for rk in self._ranks:
-                if not rk.dead:
-                    for fd in rk.fds():
-                        sel.register(fd, selectors.EVENT_READ, rk)
-            if not sel.get_map():
-                time.sleep(wait)
-                return
-            try:
-                events = sel.select(wait)
-            except InterruptedError:
-                events = []
-        finally:
-            sel.close()
-        for key, _ in events:
-            self._read(key.data, key.fd)
-        for rk in self._ranks:  # a rank whose forked child holds its pipes gives no EOF: ask the OS
-            if not rk.dead and rk.proc.poll() is not None:
-                self._read(rk, rk.res_r)
-                self._mark_dead(rk)
+                if not rk.dead and rk.proc.poll() is not None:
+                    self._read(rk, rk.res_r)
+                    self._mark_dead(rk)
+
+    def _selector(self):
+        """(poll object, fd -> rank) over the live ranks' pipes, registered once (poll, not select.select:
+        it fails above fd 1024); rebuilt after ranks start, die or stop. None when no rank is alive."""
+        if self._sel is None:
+            live = [rk for rk in self._ranks if not rk.dead]
+            if not live:
+                return None
+            poller, owner = select.poll(), {}
+            for rk in live:
+                for fd in rk.fds():
+                    poller.register(fd, select.POLLIN)
+                    owner[fd] = rk
+            self._sel = poller, owner
+        return self._sel
+
+    def _forget_selector(self):
+        self._sel = None
 
     def _read(self, rk, fd):
         try:
@@ -480,6 +504,7 @@ class Cluster:
         if rk.dead:
             return
         rk.dead = True
+        self._forget_selector()
         deadline = time.monotonic() + DRAIN_S
         for fd, name in rk.streams.items():  # what it printed before it died is kept
             sel = selectors.DefaultSelector()
@@ -503,18 +528,15 @@ class Cluster:
         out, self._inbox = self._inbox, []
         return out
 
-    def _pump_until(self, condition, deadline, step=0.05, on_tick=None):
-        """Pump until ``condition()`` is true or ``deadline`` (time.monotonic) passes; return whether it held."""
+    def _pump_until(self, condition, deadline, step=0.05):
+        """Pump until ``condition()`` is true or ``deadline`` (time.monotonic) passes; return whether it held.
+        (A stop during these loops, which are the engine's own, only sets the flag: no nested recovery.)"""
         while True:
             if condition():
                 return True
             if time.monotonic() >= deadline:
                 return False
-            if self._interrupted and on_tick is not None:
-                raise KeyboardInterrupt
             self._pump(min(step, max(0.0, deadline - time.monotonic())))
-            if on_tick is not None:
-                on_tick()
 
     def _send_all(self, make):
         for rk in self._ranks:
@@ -528,18 +550,18 @@ class Cluster:
         """While a request runs, a stop (SIGINT) only sets a flag that the loop checks: a frame half
         written to a rank's pipe would break it, and a second stop must not start a nested recovery."""
         self._interrupted = False
-        if threading.current_thread() is not threading.main_thread():
+        if threading.get_ident() != threading.main_thread().ident:
             yield
             return
 
         def flag(signum, frame):
             self._interrupted = True
 
-        old = signal.signal(signal.SIGINT, flag)
+        old = _signal.signal(signal.SIGINT, flag)  # _signal: the same call without signal's enum wrapping
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+            _signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
 
     def _request(self, make, timeout, live=None, only_rank=None):
         __tracebackhide__ = True
@@ -563,21 +585,24 @@ class Cluster:
                 if self._interrupted:
                     raise KeyboardInterrupt
                 t0 = time.monotonic()
-                first_error = []
-
-                def settled():
-                    if not first_error and any(not ok for ok, _ in results.values()):
-                        first_error.append(time.monotonic())
-                    pending = [rk for rk in self._ranks if not self._complete(rk, results, run_id)]
-                    return (not pending or any(rk.dead for rk in pending)
-                            or (first_error and time.monotonic() - first_error[0] > ERROR_GRACE_S))
-
-                def tick():
+                deadline, first_error, ranks = t0 + timeout, None, self._ranks
+                while True:  # the hot loop of every cell: written out, not through _pump_until
+                    if first_error is None and len(results) and not all(ok for ok, _ in results.values()):
+                        first_error = time.monotonic()
+                    pending = [rk for rk in ranks if not (rk.rank in results and rk.ended["stdout"] >= run_id
+                                                          and rk.ended["stderr"] >= run_id)]
+                    if not pending or any(rk.dead for rk in pending):
+                        break
+                    now = time.monotonic()
+                    if first_error is not None and now - first_error > ERROR_GRACE_S:
+                        break
+                    if now >= deadline:
+                        raise self._report("timeout", run_id, only_rank, timeout=timeout)
+                    if self._interrupted:
+                        raise KeyboardInterrupt
+                    self._pump(min(0.05, deadline - now))
                     if live is not None:
-                        live.update(self._ranks, time.monotonic() - t0)
-
-                if not self._pump_until(settled, t0 + timeout, on_tick=tick):
-                    raise self._report("timeout", run_id, only_rank, timeout=timeout)
+                        live.update(ranks, time.monotonic() - t0)
                 dead = [rk for rk in self._ranks if rk.dead and not self._complete(rk, results, run_id)]
                 if dead:
                     raise self._report("dead", run_id, only_rank, dead=dead)
