@@ -19,6 +19,13 @@ SLURM, 2 nodes with one torchrun per node (sbatch --nodes=2 --ntasks-per-node=1 
     srun torchrun --nnodes="$SLURM_NNODES" --node-rank="$SLURM_NODEID" --nproc-per-node=2 \\
         --master-addr="$MASTER" --master-port=29500 scripts/train_micro_ddp.py --steps 50
 
+Checkpoint every 50 steps; after a crash, the same line plus --resume continues where it stopped:
+    torchrun --standalone --nproc-per-node=4 scripts/train_micro_ddp.py --steps 200 --compressor powersgd \\
+        --checkpoint ckpt.pt --save-every 50 --resume
+  The checkpoint holds the weights, AdamW's moments, the step and, with PowerSGD, every rank's error
+  feedback and Q: the resumed run is the uninterrupted one to the last bit. PowerSGD's state is per
+  rank, so it resumes only at the world size that saved it; the other compressors resume at any.
+
 Rank 0 prints ``final_loss=<value>`` at the end: the loss of the last step, averaged over the
 global batch. It depends only on the options and the world size, never on how the ranks are
 spread over nodes: the data is sharded by global rank, and nothing is random but seeded.
@@ -52,6 +59,13 @@ def parse_args():
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
+
+
+def to_device(state, device):
+    """``state`` (nested dicts of tensors and plain data) with its tensors moved to ``device``."""
+    if isinstance(state, dict):
+        return {k: to_device(v, device) for k, v in state.items()}
+    return state.to(device) if isinstance(state, torch.Tensor) else state
 
 
 def local_layout(env=os.environ):
@@ -109,6 +123,13 @@ def main():
         state = load_checkpoint(args.checkpoint)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        saved = state.get("compressor")  # PowerSGD's error feedback and Q, one set per rank
+        if saved is not None and model.compressor.state_dict():
+            if len(saved) != world_size:
+                raise SystemExit(f"{args.checkpoint} holds the {args.compressor} state of {len(saved)} ranks, and "
+                                 f"this run has {world_size}: resume with {len(saved)} processes (e.g. torchrun "
+                                 f"--nproc-per-node={len(saved)}), or start over with a new --checkpoint.")
+            model.compressor.load_state_dict(to_device(saved[rank], device))  # this rank's own
         start = state["step"]
         if rank == 0:
             print(f"resumed from {args.checkpoint} at step {start}")
@@ -139,9 +160,13 @@ def main():
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             print(f"step {done:4d}  loss {loss.item():.4f}", flush=True)
         if args.checkpoint and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": done}
+            compressor_state = to_device(model.compressor.state_dict(), "cpu")
+            if compressor_state:  # PowerSGD's differs from rank to rank (each its own error feedback): gather all
+                state["compressor"] = [None] * world_size
+                dist.all_gather_object(state["compressor"], compressor_state)
             if rank == 0:
-                save_checkpoint(args.checkpoint, {"model": model.module.state_dict(),
-                                                  "optimizer": optimizer.state_dict(), "step": done})
+                save_checkpoint(args.checkpoint, state)
             dist.barrier()  # nobody reads or overwrites the file before it is complete
     if rank == 0:
         print(f"final_loss={loss.item()!r}", flush=True)

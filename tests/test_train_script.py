@@ -1,11 +1,14 @@
-"""scripts/train_micro_ddp.py outside torchrun's comfort zone: srun without torchrun (issue 17, fault 11)
-and the end of a run on a loaded machine (fault 12: no rank may abort after final_loss)."""
+"""scripts/train_micro_ddp.py outside torchrun's comfort zone: srun without torchrun (issue 17, fault 11),
+the end of a run on a loaded machine (fault 12: no rank may abort after final_loss), and a PowerSGD run
+resumed from its checkpoint (issue 12)."""
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import (ROOT, PortClash, finish, is_port_clash, kill_process_group, retry_on_port_clash,
                       start_torchrun, torchrun_env)
@@ -92,3 +95,65 @@ def test_the_script_ends_cleanly_on_a_loaded_machine():
         for p in load:
             p.kill()
             p.wait()
+
+
+def _torchrun2(script_args, what):
+    """The script on 2 ranks (gloo, one node); returns (output, exit code)."""
+    def run(port):
+        proc = start_torchrun("--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+                              f"--master-port={port}", "--node-rank=0", script=SCRIPT, script_args=script_args)
+        try:
+            return finish(proc, what, check=False), proc.returncode
+        finally:
+            kill_process_group(proc)
+    return retry_on_port_clash(run)
+
+
+def _assert_identical(a, b, where="checkpoint"):
+    """Every tensor bit for bit, every other value equal, the same keys: the same run."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            _assert_identical(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where}: max difference {(a.double() - b.double()).abs().max().item()}"
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def test_powersgd_resume_is_the_uninterrupted_run_and_refuses_another_world_size(tmp_path):
+    """4 steps straight == 2 steps, checkpoint, resume for 2 (issue 12): weights, AdamW and every rank's PowerSGD
+    error feedback and Q, bit for bit. PowerSGD's state is per rank, so 1 rank may not resume 2 ranks' run."""
+    common = ["--compressor", "powersgd", "--global-batch-size", "8", "--micro-batch-size", "4", "--log-every", "1"]
+    straight, split = tmp_path / "straight.pt", tmp_path / "split.pt"
+    runs = {}
+    for what, args in [("straight", ["--steps", "4", "--checkpoint", straight]),
+                       ("first half", ["--steps", "2", "--checkpoint", split]),
+                       ("resumed", ["--steps", "4", "--checkpoint", split, "--resume"])]:
+        out, rc = _torchrun2(common + args, what)
+        assert rc == 0 and "final_loss=" in out, f"{what} run failed (exit {rc}):\n{out[-3000:]}"
+        runs[what] = out
+        if what == "first half":
+            half = torch.load(split, weights_only=True)
+    assert "resumed from" in runs["resumed"] and "at step 2" in runs["resumed"], runs["resumed"][-2000:]
+
+    errors = [rank_state["errors"] for rank_state in half["compressor"]]
+    assert len(errors) == 2 and errors[0], "the checkpoint must hold the PowerSGD error feedback of both ranks"
+    assert any(not torch.equal(errors[0][k], errors[1][k]) for k in errors[0]), \
+        "each rank has its own error feedback (its own gradient): the checkpoint must keep every rank's"
+    assert any(e.abs().max() > 0 for e in errors[0].values()), "after 2 steps the error feedback is not zero"
+
+    final_loss = [re.search(r"final_loss=(\S+)", runs[w]).group(1) for w in ("straight", "resumed")]
+    assert final_loss[0] == final_loss[1], f"the resumed run's last loss differs from the straight run's: {final_loss}"
+    _assert_identical(torch.load(straight, weights_only=True), torch.load(split, weights_only=True))
+
+    alone = subprocess.run([sys.executable, str(SCRIPT), *map(str, common), "--steps", "4", "--checkpoint", split,
+                            "--resume"], cwd=ROOT, env=torchrun_env(), stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=240)
+    assert alone.returncode != 0, f"1 rank resumed 2 ranks' PowerSGD state:\n{alone.stdout[-2000:]}"
+    assert "holds the powersgd state of 2 ranks, and this run has 1: resume with 2 processes" in alone.stderr, \
+        alone.stderr[-2000:]
