@@ -138,6 +138,30 @@ def test_ranks_are_released_after_torch_dynamo_is_imported(cluster4):
     assert "rank 0: then raised" in str(info.value) and "names you defined are kept" in str(info.value)
 
 
+SLOW_DYNAMO_IMPORT = (
+    "import importlib.abc, sys, time\n"
+    "class SlowImport(importlib.abc.MetaPathFinder):  # holds up torch._dynamo's import once its utils are in\n"
+    "    def find_spec(self, name, path, target=None):\n"
+    "        utils = sys.modules.get('torch._dynamo.utils')\n"
+    "        if utils is not None and not utils.__spec__._initializing and not getattr(self, 'slept', False):\n"
+    "            self.slept = True\n"
+    "            time.sleep(2.5)\n"
+    "        return None\n"
+    "sys.meta_path.insert(0, SlowImport())\n"
+    "import torch._dynamo\n")
+
+
+def test_a_timeout_during_the_first_import_of_torch_dynamo_leaves_ddp_working():
+    # DDP's constructor imports torch._dynamo lazily; a stop in the middle of that import used to
+    # leave it half-registered, and every later DDP on the rank failed. The stop now waits for the
+    # import (or the rank is replaced).
+    with Cluster(world_size=2, backend="gloo") as cluster:
+        with pytest.raises(DistributedTimeout):
+            cluster.run(SLOW_DYNAMO_IMPORT, timeout=1.0)
+        assert cluster.run("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+                           "type(model).__name__") == ["DistributedDataParallel"] * 2
+
+
 def test_a_deadlock_is_released_without_losing_names(cluster4):
     cluster4.run("kept_through_deadlock = rank")
     with pytest.raises(DistributedTimeout) as info:  # every rank waits to receive first

@@ -154,6 +154,28 @@ def _error_info(exc):
     }
 
 
+DEFER_IMPORT_S = 30.0  # a stop waits at most this long for an import to finish (the launcher gives up sooner)
+
+
+def _importing():
+    """Whether a module is being imported right now (importlib marks its spec while the module runs)."""
+    for mod in list(sys.modules.values()):
+        spec = getattr(mod, "__spec__", None)
+        if getattr(spec, "_initializing", False):
+            return True
+    return False
+
+
+def _stopped_in_import(exc):
+    """A KeyboardInterrupt that stopped an import half-way: the rank may be unusable from now on."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class Worker:
     def __init__(self):
         env = os.environ
@@ -176,6 +198,8 @@ class Worker:
         self.store = None
         self.ns = {"__name__": "__main__", "__builtins__": __builtins__}
         self.libc = ctypes.CDLL(None)
+        self.deferred_since = 0.0  # when a stop was first deferred for an import in progress (0: none)
+        self.poisoned = ""  # why this rank must be replaced rather than reused (a stop landed mid-import)
 
     # -- process group -----------------------------------------------------------------
     def init_process_group(self):
@@ -337,6 +361,9 @@ class Worker:
         kind, run_id = msg[0], msg[1]
         self.run_id = run_id
         if kind == "reset":
+            if self.poisoned:  # refuse the new group: the launcher then replaces the ranks
+                return self.finish(run_id, False, {"type": "RuntimeError", "message": self.poisoned,
+                                                   "traceback": "", "where": "", "time": time.time()})
             self.destroy_process_group()
             self.generation = msg[2]
             if len(msg) > 3:
@@ -375,6 +402,8 @@ class Worker:
                 raise ValueError(f"unknown command {kind!r}")
         except BaseException as exc:  # a SIGINT raises only inside learner(): none can land below
             ok, value = False, _error_info(exc)
+            if isinstance(exc, KeyboardInterrupt) and _stopped_in_import(exc):
+                self.poisoned = "stopped in the middle of an import"
             self.busy = False
             if self.manage_group:
                 self.destroy_process_group()  # releases the ranks waiting for us in a collective
@@ -385,7 +414,7 @@ class Worker:
 
     def learner(self, fn, *args, **kwargs):
         """Run the learner's code: the only place where a SIGINT from the notebook interrupts."""
-        self.interruptible = True
+        self.interruptible, self.deferred_since = True, 0.0
         try:
             return fn(*args, **kwargs)
         finally:
@@ -411,8 +440,18 @@ class Worker:
             pass
 
     def on_sigint(self, signum, frame):
-        if self.interruptible:
-            raise KeyboardInterrupt
+        if not self.interruptible:
+            return
+        if _importing() and time.monotonic() - self.deferred_since < DEFER_IMPORT_S:
+            # An import stopped half-way leaves a library half-registered: torch._dynamo, which DDP's
+            # constructor imports lazily, then fails on this rank for good. Let the import finish,
+            # then deliver the stop (checked again every 50 ms).
+            if not self.deferred_since:
+                self.deferred_since = time.monotonic()
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        self.deferred_since = 0.0
+        raise KeyboardInterrupt
 
     def main(self):
         global _CHANNEL, _WORKER
