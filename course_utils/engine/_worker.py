@@ -141,8 +141,26 @@ def _register_sources(sources):
         _SOURCES.add(filename)
 
 
+_COURSE_DIR = os.path.join(_PACKAGE_ROOT, "course_utils") + os.sep
+
+
+def _verdict_frames(exc, raw):
+    """A checker's verdict (an AssertionError raised inside course_utils: course_utils.checks, the
+    probes' check_* functions, or re-raised by the checks' wrapper) ends at the learner's line that
+    called the checker, as in the notebook: the checker's own frames are cut."""
+    if not isinstance(exc, AssertionError) or not raw:
+        return raw
+    inside = [os.path.abspath(f.filename).startswith(_COURSE_DIR) for f in raw]
+    if not inside[-1]:
+        return raw  # raised by the learner's own code (which a checker may have called)
+    cut = len(raw)
+    while cut and inside[cut - 1]:
+        cut -= 1
+    return raw[:cut] if cut else raw
+
+
 def _error_info(exc):
-    frames = _user_frames(traceback.extract_tb(exc.__traceback__))
+    frames = _user_frames(_verdict_frames(exc, traceback.extract_tb(exc.__traceback__)))
     tb = "".join(traceback.format_list(frames))
     tb += "".join(traceback.format_exception_only(type(exc), exc))
     return {
