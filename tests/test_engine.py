@@ -162,6 +162,29 @@ def test_a_timeout_during_the_first_import_of_torch_dynamo_leaves_ddp_working():
                            "type(model).__name__") == ["DistributedDataParallel"] * 2
 
 
+def test_a_failure_with_a_callback_holding_the_group_leaves_every_rank_alive(cluster4):
+    # PowerSGD's hook chains futures whose callbacks hold the process group; gloo runs them on its
+    # own threads when the failure errors out the pending work. The rank used to free the old group
+    # there, in a callback: the group's destructor joined its own thread and the rank aborted
+    # ("Resource deadlock avoided") after the report, so the next cell found it dead.
+    pids = list(cluster4.pids)
+    for _ in range(2):
+        with pytest.raises(DistributedError) as info:
+            cluster4.run("import time, torch, torch.distributed as dist\n"
+                         "def fail_with_a_callback_pending():\n"
+                         "    group = dist.group.WORLD\n"
+                         "    if rank == 0:  # the others never join: the failure releases it\n"
+                         "        work = dist.all_reduce(torch.ones(1), group=group, async_op=True)\n"
+                         "        work.get_future().then(lambda fut, group=group: time.sleep(0.5))\n"
+                         "    raise ValueError('boom')\n"
+                         "fail_with_a_callback_pending()", timeout=120)
+        assert "names you defined are kept" in str(info.value)
+        time.sleep(1.5)  # the callback has ended
+        assert cluster4.alive and cluster4.pids == pids, "a rank died after the failure"
+    assert cluster4.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") \
+        == [4.0] * 4
+
+
 def test_a_deadlock_is_released_without_losing_names(cluster4):
     cluster4.run("kept_through_deadlock = rank")
     with pytest.raises(DistributedTimeout) as info:  # every rank waits to receive first

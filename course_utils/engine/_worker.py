@@ -216,6 +216,8 @@ class Worker:
         self.store = None
         self.ns = {"__name__": "__main__", "__builtins__": __builtins__}
         self.libc = ctypes.CDLL(None)
+        self.group_lock = threading.Lock()  # the control thread destroys the group of an idle rank
+        self.retired = []  # the last destroyed process groups, kept alive (see destroy_process_group)
         self.deferred_since = 0.0  # when a stop was first deferred for an import in progress (0: none)
         self.poisoned = ""  # why this rank must be replaced rather than reused (a stop landed mid-import)
 
@@ -291,14 +293,28 @@ class Worker:
             module.destroy_process_group = destroy_process_group
 
     def destroy_process_group(self):
-        import torch.distributed as dist
+        """Destroy the group, but keep its objects alive until the next rebuild: a ProcessGroupGloo
+        freed on one of its own worker threads joins itself and aborts the rank ("Resource deadlock
+        avoided"). That happened when the last reference sat in a callback of the failed cell (a
+        PowerSGD hook's future holds its group) that gloo ran while erroring out the pending work."""
+        import gc
 
-        if dist.is_initialized():
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        with self.group_lock:
+            if not dist.is_initialized():
+                return
+            world = getattr(c10d, "_world", None)
+            groups = [g for g in (list(getattr(world, "pg_map", {})) + [dist.group.WORLD]) if g is not None]
             self.cut_peer_connections()
             try:
                 self.original.get("destroy", dist.destroy_process_group)()
             except Exception:
                 pass
+            gc.collect()  # the failed cell's garbage (DDP, hook state, frames) is freed here, not on gloo's threads
+            self.retired, older = groups, self.retired  # the groups before: their work ended long ago
+            del older
 
     def cut_peer_connections(self):
         """Shut down this rank's TCP connections to the other ranks (not those to the store), so
