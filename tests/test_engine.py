@@ -80,10 +80,48 @@ def test_collective_result(cluster4):
     assert out == [6.0] * 4
 
 
-def test_ranks_are_fresh_interpreters_not_forks(cluster4):
-    # a fork of this process would carry pytest's modules; a fresh interpreter runs the worker as __main__
-    got = cluster4.run("import os, sys\n('pytest' in sys.modules, sys.modules['__main__'].__spec__.name, os.getppid())")
-    assert got == [(False, "course_utils.engine._worker", os.getpid())] * 4
+def test_ranks_are_forks_of_the_torch_server_or_fresh_interpreters(cluster4):
+    # never a fork of this process, which would carry pytest's modules and state; by default a fork
+    # of the per-process fork server (torch preloaded), with COURSE_UTILS_START=spawn a fresh interpreter
+    import psutil
+
+    from course_utils.engine import _forkstart
+
+    got = cluster4.run("import os, sys\n('pytest' in sys.modules, os.getppid())")
+    assert [pytest_loaded for pytest_loaded, _ in got] == [False] * 4
+    parents = {ppid for _, ppid in got}
+    assert len(parents) == 1
+    if _forkstart.wanted():
+        server = psutil.Process(parents.pop())
+        assert server.pid != os.getpid() and server.ppid() == os.getpid()
+        assert "multiprocessing.forkserver" in " ".join(server.cmdline())
+    else:
+        assert parents == {os.getpid()}
+        assert cluster4.run("import sys\nsys.modules['__main__'].__spec__.name") == ["course_utils.engine._worker"] * 4
+
+
+def test_each_rank_runs_with_its_share_of_the_cores_and_blas_works(make_cluster):
+    # the thread count is applied after the fork (OMP_NUM_THREADS is read when torch loads); BLAS
+    # (OpenBLAS/MKL, whose threads the fork server may have started) computes right on every rank
+    import numpy as np
+    import torch
+
+    from course_utils.engine.launcher import _cpu_count
+
+    for world_size in (1, 2):
+        cluster = make_cluster(world_size=world_size, backend="gloo")
+        share = max(1, _cpu_count() // world_size)
+        got = cluster.run("import numpy as np, torch\n"
+                          "a = np.random.default_rng(0).standard_normal((300, 300))\n"
+                          "t = torch.from_numpy(a)\n"
+                          "(torch.get_num_threads(), float((a @ a).sum()), float((t @ t).sum()),\n"
+                          " float(np.linalg.solve(a, np.ones(300)).sum()))", timeout=120)
+        a = np.random.default_rng(0).standard_normal((300, 300))
+        want = (float((a @ a).sum()), float((torch.from_numpy(a) @ torch.from_numpy(a)).sum()),
+                float(np.linalg.solve(a, np.ones(300)).sum()))
+        for threads, *values in got:
+            assert threads == share
+            np.testing.assert_allclose(values, want, rtol=1e-9)
 
 
 # -- output -----------------------------------------------------------------------------------

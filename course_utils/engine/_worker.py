@@ -1,4 +1,4 @@
-"""One rank of a Cluster: a fresh interpreter started by course_utils.engine.launcher.
+"""One rank of a Cluster: forked from the fork server (course_utils.engine._forkstart) or a fresh interpreter.
 
 The main thread runs the learner's code, so signals and KeyboardInterrupt behave as in a
 normal script. A control thread answers the notebook while the main thread is busy: it
