@@ -225,6 +225,10 @@ def _spawn(world_size, backend, pg_timeout, group=True):
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
                         stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
+            except BaseException:  # not started (or a stop while the server forks it: its pipes end it)
+                for fd in (cmd_w, res_r, out_r, err_r):
+                    os.close(fd)
+                raise
             finally:
                 for fd in (cmd_r, res_w, out_w, err_w):
                     os.close(fd)
