@@ -230,6 +230,8 @@ def test_a_deadlock_is_released_without_losing_names(cluster4):
                      "dist.recv(buf, src=(rank + 1) % world_size)", timeout=3)
     assert "rank 0: stuck in recv()" in str(info.value)
     assert "names you defined are kept" in str(info.value)
+    stack = str(info.value).split("Python stack of rank 0", 1)[1]
+    assert "multiprocessing" not in stack and '"<string>"' not in stack, "the stack starts at the learner's cell"
     assert cluster4.pull("kept_through_deadlock") == [0, 1, 2, 3]
 
 

@@ -103,7 +103,11 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))  # hold
 def _user_frames(tb_or_stack):
     """Frames of the learner's code and libraries, without the engine's plumbing, paths shortened."""
     out = []
-    for f in tb_or_stack:
+    frames = list(tb_or_stack)
+    engine = [os.path.abspath(f.filename).startswith(_ENGINE_DIR) for f in frames]
+    if True in engine:  # what called the engine (a fork server's multiprocessing frames) is not shown either
+        del frames[:engine.index(True)]
+    for f in frames:
         if os.path.abspath(f.filename).startswith(_ENGINE_DIR) or f.filename.startswith("<frozen"):
             continue
         out.append(traceback.FrameSummary(_short(f.filename), f.lineno, f.name, line=f.line))
