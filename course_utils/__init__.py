@@ -22,9 +22,11 @@ def __getattr__(name):
 
 
 def load_ipython_extension(ipython):
+    from course_utils.engine import _forkstart
     from course_utils.engine.magic import DDPMagics
 
     ipython.register_magics(DDPMagics)
+    _forkstart.prestart()  # the fork server imports torch while the learner reads the first cells
 
 
 def unload_ipython_extension(ipython):

@@ -80,10 +80,48 @@ def test_collective_result(cluster4):
     assert out == [6.0] * 4
 
 
-def test_ranks_are_fresh_interpreters_not_forks(cluster4):
-    # a fork of this process would carry pytest's modules; a fresh interpreter runs the worker as __main__
-    got = cluster4.run("import os, sys\n('pytest' in sys.modules, sys.modules['__main__'].__spec__.name, os.getppid())")
-    assert got == [(False, "course_utils.engine._worker", os.getpid())] * 4
+def test_ranks_are_forks_of_the_torch_server_or_fresh_interpreters(cluster4):
+    # never a fork of this process, which would carry pytest's modules and state; by default a fork
+    # of the per-process fork server (torch preloaded), with COURSE_UTILS_START=spawn a fresh interpreter
+    import psutil
+
+    from course_utils.engine import _forkstart
+
+    got = cluster4.run("import os, sys\n('pytest' in sys.modules, os.getppid())")
+    assert [pytest_loaded for pytest_loaded, _ in got] == [False] * 4
+    parents = {ppid for _, ppid in got}
+    assert len(parents) == 1
+    if _forkstart.wanted():
+        server = psutil.Process(parents.pop())
+        assert server.pid != os.getpid() and server.ppid() == os.getpid()
+        assert "multiprocessing.forkserver" in " ".join(server.cmdline())
+    else:
+        assert parents == {os.getpid()}
+        assert cluster4.run("import sys\nsys.modules['__main__'].__spec__.name") == ["course_utils.engine._worker"] * 4
+
+
+def test_each_rank_runs_with_its_share_of_the_cores_and_blas_works(make_cluster):
+    # the thread count is applied after the fork (OMP_NUM_THREADS is read when torch loads); BLAS
+    # (OpenBLAS/MKL, whose threads the fork server may have started) computes right on every rank
+    import numpy as np
+    import torch
+
+    from course_utils.engine.launcher import _cpu_count
+
+    for world_size in (1, 2):
+        cluster = make_cluster(world_size=world_size, backend="gloo")
+        share = max(1, _cpu_count() // world_size)
+        got = cluster.run("import numpy as np, torch\n"
+                          "a = np.random.default_rng(0).standard_normal((300, 300))\n"
+                          "t = torch.from_numpy(a)\n"
+                          "(torch.get_num_threads(), float((a @ a).sum()), float((t @ t).sum()),\n"
+                          " float(np.linalg.solve(a, np.ones(300)).sum()))", timeout=120)
+        a = np.random.default_rng(0).standard_normal((300, 300))
+        want = (float((a @ a).sum()), float((torch.from_numpy(a) @ torch.from_numpy(a)).sum()),
+                float(np.linalg.solve(a, np.ones(300)).sum()))
+        for threads, *values in got:
+            assert threads == share
+            np.testing.assert_allclose(values, want, rtol=1e-9)
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -138,6 +176,53 @@ def test_ranks_are_released_after_torch_dynamo_is_imported(cluster4):
     assert "rank 0: then raised" in str(info.value) and "names you defined are kept" in str(info.value)
 
 
+SLOW_DYNAMO_IMPORT = (
+    "import importlib.abc, sys, time\n"
+    "class SlowImport(importlib.abc.MetaPathFinder):  # holds up torch._dynamo's import once its utils are in\n"
+    "    def find_spec(self, name, path, target=None):\n"
+    "        utils = sys.modules.get('torch._dynamo.utils')\n"
+    "        if utils is not None and not utils.__spec__._initializing and not getattr(self, 'slept', False):\n"
+    "            self.slept = True\n"
+    "            time.sleep(2.5)\n"
+    "        return None\n"
+    "sys.meta_path.insert(0, SlowImport())\n"
+    "import torch._dynamo\n")
+
+
+def test_a_timeout_during_the_first_import_of_torch_dynamo_leaves_ddp_working():
+    # DDP's constructor imports torch._dynamo lazily; a stop in the middle of that import used to
+    # leave it half-registered, and every later DDP on the rank failed. The stop now waits for the
+    # import (or the rank is replaced).
+    with Cluster(world_size=2, backend="gloo") as cluster:
+        with pytest.raises(DistributedTimeout):
+            cluster.run(SLOW_DYNAMO_IMPORT, timeout=1.0)
+        assert cluster.run("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+                           "type(model).__name__") == ["DistributedDataParallel"] * 2
+
+
+def test_a_failure_with_a_callback_holding_the_group_leaves_every_rank_alive(cluster4):
+    # PowerSGD's hook chains futures whose callbacks hold the process group; gloo runs them on its
+    # own threads when the failure errors out the pending work. The rank used to free the old group
+    # there, in a callback: the group's destructor joined its own thread and the rank aborted
+    # ("Resource deadlock avoided") after the report, so the next cell found it dead.
+    pids = list(cluster4.pids)
+    for _ in range(2):
+        with pytest.raises(DistributedError) as info:
+            cluster4.run("import time, torch, torch.distributed as dist\n"
+                         "def fail_with_a_callback_pending():\n"
+                         "    group = dist.group.WORLD\n"
+                         "    if rank == 0:  # the others never join: the failure releases it\n"
+                         "        work = dist.all_reduce(torch.ones(1), group=group, async_op=True)\n"
+                         "        work.get_future().then(lambda fut, group=group: time.sleep(0.5))\n"
+                         "    raise ValueError('boom')\n"
+                         "fail_with_a_callback_pending()", timeout=120)
+        assert "names you defined are kept" in str(info.value)
+        time.sleep(1.5)  # the callback has ended
+        assert cluster4.alive and cluster4.pids == pids, "a rank died after the failure"
+    assert cluster4.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") \
+        == [4.0] * 4
+
+
 def test_a_deadlock_is_released_without_losing_names(cluster4):
     cluster4.run("kept_through_deadlock = rank")
     with pytest.raises(DistributedTimeout) as info:  # every rank waits to receive first
@@ -145,6 +230,8 @@ def test_a_deadlock_is_released_without_losing_names(cluster4):
                      "dist.recv(buf, src=(rank + 1) % world_size)", timeout=3)
     assert "rank 0: stuck in recv()" in str(info.value)
     assert "names you defined are kept" in str(info.value)
+    stack = str(info.value).split("Python stack of rank 0", 1)[1]
+    assert "multiprocessing" not in stack and '"<string>"' not in stack, "the stack starts at the learner's cell"
     assert cluster4.pull("kept_through_deadlock") == [0, 1, 2, 3]
 
 
@@ -164,6 +251,24 @@ def test_function_traceback_shows_its_source(cluster4):
     with pytest.raises(DistributedError) as info:
         cluster4.run(faulty, 1)
     assert "return y / 0" in str(info.value) and "ZeroDivisionError" in str(info.value)
+
+
+@pytest.mark.parametrize("get_checker", [
+    "from course_utils.ddp_probes import check_accumulate",  # a checker the ranks call directly
+    "from course_utils.checks import verdict_only\n"        # through the notebook-side wrapper
+    "from course_utils import ddp_probes\ncheck_accumulate = verdict_only(ddp_probes.check_accumulate)",
+])
+def test_a_checker_verdict_on_the_ranks_shows_the_learners_line_not_the_checker(cluster4, get_checker):
+    with pytest.raises(DistributedError) as info:
+        cluster4.run(get_checker + "\ndef accumulate(model, batches):\n    raise NotImplementedError('todo')\n"
+                     "check_accumulate(accumulate)")
+    text = str(info.value)
+    assert info.value.exc_type == "AssertionError" and "accumulate is not written yet" in text
+    assert "check_accumulate(accumulate)" in text, "the learner's line stays"
+    assert "ddp_probes.py" not in text and "course_utils/checks" not in text, text
+    with pytest.raises(DistributedError) as info:  # the learner's own assert keeps its frames
+        cluster4.run("def mine():\n    assert rank < 0, 'mine'\nmine()")
+    assert "assert rank < 0, 'mine'" in str(info.value)
 
 
 def test_skipped_collective_times_out_with_stacks_and_recovers(cluster4):

@@ -78,11 +78,18 @@ NOTEBOOK = textwrap.dedent("""
 """)
 
 
-def test_ranks_end_when_the_notebook_dies_even_if_their_pipes_stay_open():
-    proc = subprocess.run([sys.executable, "-c", NOTEBOOK.format(root=str(ROOT))], capture_output=True, text=True,
-                          timeout=180, env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"})
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    pids, holder = eval(proc.stdout.split("] ")[0] + "]"), int(proc.stdout.split("] ")[1])
+def test_ranks_end_when_the_notebook_dies_even_if_their_pipes_stay_open(tmp_path):
+    # output to files, not pipes: multiprocessing's resource tracker (started with the fork server)
+    # inherits the notebook's stdout and lives as long as the holder does, as it would with any
+    # multiprocessing user; the ranks and the fork server must end anyway
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-c", NOTEBOOK.format(root=str(ROOT))], stdout=o, stderr=e,
+                                env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"})
+        proc.wait(timeout=180)
+    assert proc.returncode == -signal.SIGKILL, err.read_text()[-2000:]
+    stdout = out.read_text()
+    pids, holder = eval(stdout.split("] ")[0] + "]"), int(stdout.split("] ")[1])
     try:
         deadline = time.monotonic() + 20
         while any(alive(p) for p in pids) and time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""One rank of a Cluster: a fresh interpreter started by course_utils.engine.launcher.
+"""One rank of a Cluster: forked from the fork server (course_utils.engine._forkstart) or a fresh interpreter.
 
 The main thread runs the learner's code, so signals and KeyboardInterrupt behave as in a
 normal script. A control thread answers the notebook while the main thread is busy: it
@@ -103,7 +103,11 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))  # hold
 def _user_frames(tb_or_stack):
     """Frames of the learner's code and libraries, without the engine's plumbing, paths shortened."""
     out = []
-    for f in tb_or_stack:
+    frames = list(tb_or_stack)
+    engine = [os.path.abspath(f.filename).startswith(_ENGINE_DIR) for f in frames]
+    if True in engine:  # what called the engine (a fork server's multiprocessing frames) is not shown either
+        del frames[:engine.index(True)]
+    for f in frames:
         if os.path.abspath(f.filename).startswith(_ENGINE_DIR) or f.filename.startswith("<frozen"):
             continue
         out.append(traceback.FrameSummary(_short(f.filename), f.lineno, f.name, line=f.line))
@@ -141,8 +145,26 @@ def _register_sources(sources):
         _SOURCES.add(filename)
 
 
+_COURSE_DIR = os.path.join(_PACKAGE_ROOT, "course_utils") + os.sep
+
+
+def _verdict_frames(exc, raw):
+    """A checker's verdict (an AssertionError raised inside course_utils: course_utils.checks, the
+    probes' check_* functions, or re-raised by the checks' wrapper) ends at the learner's line that
+    called the checker, as in the notebook: the checker's own frames are cut."""
+    if not isinstance(exc, AssertionError) or not raw:
+        return raw
+    inside = [os.path.abspath(f.filename).startswith(_COURSE_DIR) for f in raw]
+    if not inside[-1]:
+        return raw  # raised by the learner's own code (which a checker may have called)
+    cut = len(raw)
+    while cut and inside[cut - 1]:
+        cut -= 1
+    return raw[:cut] if cut else raw
+
+
 def _error_info(exc):
-    frames = _user_frames(traceback.extract_tb(exc.__traceback__))
+    frames = _user_frames(_verdict_frames(exc, traceback.extract_tb(exc.__traceback__)))
     tb = "".join(traceback.format_list(frames))
     tb += "".join(traceback.format_exception_only(type(exc), exc))
     return {
@@ -152,6 +174,28 @@ def _error_info(exc):
         "where": _where(frames),
         "time": time.time(),
     }
+
+
+DEFER_IMPORT_S = 30.0  # a stop waits at most this long for an import to finish (the launcher gives up sooner)
+
+
+def _importing():
+    """Whether a module is being imported right now (importlib marks its spec while the module runs)."""
+    for mod in list(sys.modules.values()):
+        spec = getattr(mod, "__spec__", None)
+        if getattr(spec, "_initializing", False):
+            return True
+    return False
+
+
+def _stopped_in_import(exc):
+    """A KeyboardInterrupt that stopped an import half-way: the rank may be unusable from now on."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class Worker:
@@ -176,6 +220,10 @@ class Worker:
         self.store = None
         self.ns = {"__name__": "__main__", "__builtins__": __builtins__}
         self.libc = ctypes.CDLL(None)
+        self.group_lock = threading.Lock()  # the control thread destroys the group of an idle rank
+        self.retired = []  # the last destroyed process groups, kept alive (see destroy_process_group)
+        self.deferred_since = 0.0  # when a stop was first deferred for an import in progress (0: none)
+        self.poisoned = ""  # why this rank must be replaced rather than reused (a stop landed mid-import)
 
     # -- process group -----------------------------------------------------------------
     def init_process_group(self):
@@ -249,14 +297,28 @@ class Worker:
             module.destroy_process_group = destroy_process_group
 
     def destroy_process_group(self):
-        import torch.distributed as dist
+        """Destroy the group, but keep its objects alive until the next rebuild: a ProcessGroupGloo
+        freed on one of its own worker threads joins itself and aborts the rank ("Resource deadlock
+        avoided"). That happened when the last reference sat in a callback of the failed cell (a
+        PowerSGD hook's future holds its group) that gloo ran while erroring out the pending work."""
+        import gc
 
-        if dist.is_initialized():
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        with self.group_lock:
+            if not dist.is_initialized():
+                return
+            world = getattr(c10d, "_world", None)
+            groups = [g for g in (list(getattr(world, "pg_map", {})) + [dist.group.WORLD]) if g is not None]
             self.cut_peer_connections()
             try:
                 self.original.get("destroy", dist.destroy_process_group)()
             except Exception:
                 pass
+            gc.collect()  # the failed cell's garbage (DDP, hook state, frames) is freed here, not on gloo's threads
+            self.retired, older = groups, self.retired  # the groups before: their work ended long ago
+            del older
 
     def cut_peer_connections(self):
         """Shut down this rank's TCP connections to the other ranks (not those to the store), so
@@ -337,6 +399,9 @@ class Worker:
         kind, run_id = msg[0], msg[1]
         self.run_id = run_id
         if kind == "reset":
+            if self.poisoned:  # refuse the new group: the launcher then replaces the ranks
+                return self.finish(run_id, False, {"type": "RuntimeError", "message": self.poisoned,
+                                                   "traceback": "", "where": "", "time": time.time()})
             self.destroy_process_group()
             self.generation = msg[2]
             if len(msg) > 3:
@@ -375,6 +440,8 @@ class Worker:
                 raise ValueError(f"unknown command {kind!r}")
         except BaseException as exc:  # a SIGINT raises only inside learner(): none can land below
             ok, value = False, _error_info(exc)
+            if isinstance(exc, KeyboardInterrupt) and _stopped_in_import(exc):
+                self.poisoned = "stopped in the middle of an import"
             self.busy = False
             if self.manage_group:
                 self.destroy_process_group()  # releases the ranks waiting for us in a collective
@@ -385,7 +452,7 @@ class Worker:
 
     def learner(self, fn, *args, **kwargs):
         """Run the learner's code: the only place where a SIGINT from the notebook interrupts."""
-        self.interruptible = True
+        self.interruptible, self.deferred_since = True, 0.0
         try:
             return fn(*args, **kwargs)
         finally:
@@ -411,8 +478,18 @@ class Worker:
             pass
 
     def on_sigint(self, signum, frame):
-        if self.interruptible:
-            raise KeyboardInterrupt
+        if not self.interruptible:
+            return
+        if _importing() and time.monotonic() - self.deferred_since < DEFER_IMPORT_S:
+            # An import stopped half-way leaves a library half-registered: torch._dynamo, which DDP's
+            # constructor imports lazily, then fails on this rank for good. Let the import finish,
+            # then deliver the stop (checked again every 50 ms).
+            if not self.deferred_since:
+                self.deferred_since = time.monotonic()
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        self.deferred_since = 0.0
+        raise KeyboardInterrupt
 
     def main(self):
         global _CHANNEL, _WORKER

@@ -1,7 +1,9 @@
 """The distributed cell engine: a persistent pool of ranks that notebook cells run on.
 
-Introduced in 00_launcher_tour. Each rank is a fresh Python interpreter (never a fork) with
-torch.distributed initialised once, so a cell costs a pipe round trip, not a process start.
+Introduced in 00_launcher_tour. Each rank is forked from a per-process fork server that has torch
+imported (course_utils.engine._forkstart), or is a fresh Python interpreter where that server cannot
+start; never a fork of the notebook process. torch.distributed is initialised once, so a cell
+costs a pipe round trip, not a process start.
 ``spawn`` is the drop-in for ``torch.multiprocessing.spawn``: fresh ranks without a process group.
 The notebook talks to its ranks over private pipes; the only sockets are torch's own
 rendezvous store and the backend's connections, all on 127.0.0.1.
@@ -21,7 +23,7 @@ import threading
 import time
 import weakref
 
-from course_utils.engine import _wire
+from course_utils.engine import _forkstart, _wire
 from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: public, re-exported)
     DistributedError, DistributedTimeout, dead_error, hide_cpp_frames, plural, rank_error, timeout_error)
 
@@ -170,7 +172,8 @@ class _Rank:
 
 
 def _spawn(world_size, backend, pg_timeout, group=True):
-    """Start the ranks: fresh interpreters, rendezvous on a socket bound before anyone uses it.
+    """Start the ranks: forked from the fork server (or fresh interpreters), rendezvous on a socket
+    bound before anyone uses it.
 
     With ``group=False`` (``spawn``) the ranks get no process group: the learner's function sets it
     up from MASTER_ADDR and MASTER_PORT, a loopback port that was free a moment ago."""
@@ -201,14 +204,31 @@ def _spawn(world_size, backend, pg_timeout, group=True):
             )
             env.pop("PYTEST_CURRENT_TEST", None)
             env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH")] if p)
+            env["COURSE_UTILS_CWD"] = os.getcwd()
             pass_fds = [cmd_r, res_w]
             if r == 0 and group:
                 env["COURSE_UTILS_LISTEN_FD"] = str(listener.fileno())
                 pass_fds.append(listener.fileno())
             try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
-                    stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
+                proc = None
+                ctx = _forkstart.context()
+                if ctx is not None:  # forked from the server that has torch imported: a fraction of a second
+                    fds = {"stdout": out_w, "stderr": err_w, "cmd": cmd_r, "res": res_w}
+                    if r == 0 and group:
+                        fds["listen"] = listener.fileno()
+                    try:
+                        proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
+                    except Exception as exc:  # the server is gone or broken: fresh interpreters from now on
+                        _forkstart.fail(f"{type(exc).__name__}: {exc}")
+                        _forkstart.context()
+                if proc is None:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
+                        stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
+            except BaseException:  # not started (or a stop while the server forks it: its pipes end it)
+                for fd in (cmd_w, res_r, out_r, err_r):
+                    os.close(fd)
+                raise
             finally:
                 for fd in (cmd_r, res_w, out_w, err_w):
                     os.close(fd)
@@ -802,7 +822,7 @@ def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn", 
     per rank; a failure raises ``DistributedError`` and stops the other ranks. Returns the ranks'
     return values in rank order. ``timeout`` (seconds, default none, like ``mp.spawn``) turns a hang
     into ``DistributedTimeout``. ``daemon`` and ``start_method`` are accepted for compatibility: the
-    ranks are always fresh interpreters that end with the call.
+    ranks are always new processes (see Cluster) that end with the call.
     """
     __tracebackhide__ = True
     if not join:

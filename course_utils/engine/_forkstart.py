@@ -1,0 +1,202 @@
+"""Ranks forked from a per-process fork server that has torch imported already (issue 16).
+
+The server is multiprocessing's own forkserver: a fresh interpreter, started once per notebook
+kernel, that imports torch, torch.distributed and the engine's worker module, and never
+initialises CUDA or runs parallel work. A rank forked from it starts in a fraction of a second
+instead of paying ``import torch`` again. Per-rank settings that libraries read when they load
+(the OpenMP thread count) are applied after the fork, with ``torch.set_num_threads``.
+
+``COURSE_UTILS_START=spawn`` starts every rank as a fresh interpreter instead (the fallback the
+engine also takes, with a note, when the server cannot start).
+"""
+import contextlib
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.distributed_c10d", "cloudpickle",
+           "course_utils.engine._wire", "course_utils.engine._worker", "course_utils.engine._forkstart"]
+
+_SERVER_OF = "COURSE_UTILS_FORK_SERVER_OF"
+_lock = threading.RLock()
+
+
+def _end_with_the_notebook():
+    """In the fork server: end when the notebook process does, even if a child of the notebook still
+    holds the pipe that multiprocessing watches; the ranks then see their parent gone and end too."""
+    import time
+
+    parent = int(os.environ.pop(_SERVER_OF))
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="course_utils-server-watchdog", daemon=True).start()
+
+
+if os.environ.get(_SERVER_OF) and multiprocessing.parent_process() is None and os.getppid() == int(
+        os.environ[_SERVER_OF]):
+    _end_with_the_notebook()
+_state = {"ctx": None, "failed": None, "noted": False}
+
+
+def wanted():
+    """Fork server unless COURSE_UTILS_START=spawn; off Linux only with COURSE_UTILS_START=forkserver
+    (macOS's system libraries are not fork-safe once loaded, which is why its multiprocessing spawns)."""
+    default = "forkserver" if sys.platform.startswith("linux") else "spawn"
+    return os.environ.get("COURSE_UTILS_START", default).strip().lower() == "forkserver"
+
+
+def context():
+    """The forkserver context with torch preloaded, started on first use; None: use fresh interpreters."""
+    if not wanted():
+        return None
+    with _lock:
+        if _state["ctx"] is None and _state["failed"] is None:
+            try:
+                if "forkserver" not in multiprocessing.get_all_start_methods():
+                    raise OSError("this system has no forkserver start method")
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload(PRELOAD)
+                from multiprocessing import forkserver
+
+                os.environ[_SERVER_OF] = str(os.getpid())  # read by this module, imported in the server
+                try:
+                    forkserver.ensure_running()  # imports happen in the server, in the background
+                finally:
+                    os.environ.pop(_SERVER_OF, None)
+                _state["ctx"] = ctx
+            except Exception as exc:  # an unusual platform: fresh interpreters, said once
+                _state["failed"] = f"{type(exc).__name__}: {exc}"
+        if _state["failed"] is not None and not _state["noted"]:
+            _state["noted"] = True
+            print(f"note: the ranks start as fresh interpreters (slower): the fork server could not start "
+                  f"({_state['failed']}).", file=sys.stderr)
+        return _state["ctx"]
+
+
+def prestart():
+    """Start the server now, so that the first cluster does not wait for torch to import."""
+    try:
+        context()
+    except Exception:
+        pass
+
+
+def fail(reason):
+    """The server failed to fork a rank: fall back for the rest of this process."""
+    with _lock:
+        _state["ctx"], _state["failed"] = None, reason
+
+
+class _Fd:
+    """A file descriptor that travels to the forked rank (multiprocessing passes it over a Unix socket)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup):
+    return dup.detach()
+
+
+@contextlib.contextmanager
+def _without_main():
+    """multiprocessing makes a child import the parent's main script (as __mp_main__), which would
+    run a learner's script, or pytest, once more on every rank: the ranks get no main module."""
+    from multiprocessing import spawn
+
+    original = spawn.get_preparation_data
+
+    def preparation_data(name):
+        return {k: v for k, v in original(name).items() if not k.startswith("init_main_from")}
+
+    spawn.get_preparation_data = preparation_data
+    try:
+        yield
+    finally:
+        spawn.get_preparation_data = original
+
+
+class ForkedProcess:
+    """A rank forked by the server, with the part of ``subprocess.Popen``'s interface the launcher uses."""
+
+    def __init__(self, ctx, env, fds, threads):
+        """``fds``: name -> this process's fd (stdout, stderr, cmd, res and maybe listen)."""
+        self._p = ctx.Process(target=_rank_main, args=(env, {k: _Fd(v) for k, v in fds.items()}, threads),
+                              name=f"rank {env['RANK']}", daemon=True)  # daemon: mp ends it at exit
+        with _lock, _without_main():
+            self._p.start()
+        self.pid = self._p.pid
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            code = self._p.exitcode
+            if code is not None:
+                self.returncode = code
+                self._p.close()  # the sentinel's fd
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self._p.join(timeout)
+            if self.poll() is None:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+        return self.returncode
+
+    def kill(self):
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 9)
+            except OSError:
+                pass
+
+
+def _rank_main(env, fds, threads):
+    """In the forked rank: its own session, its pipes on fds 1 and 2, its environment, its share
+    of the cores; then the same Worker that a fresh interpreter runs."""
+    os.setsid()  # the launcher kills the rank's process group; Ctrl-C in a terminal does not reach it
+    os.dup2(fds["stdout"], 1)
+    os.dup2(fds["stderr"], 2)
+    for name in ("stdout", "stderr"):
+        os.close(fds[name])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stdin = open(0, "r", closefd=False)
+    env = dict(env, COURSE_UTILS_CMD_FD=str(fds["cmd"]), COURSE_UTILS_RES_FD=str(fds["res"]))
+    if "listen" in fds:
+        env["COURSE_UTILS_LISTEN_FD"] = str(fds["listen"])
+    os.environ.clear()
+    os.environ.update(env)
+    cwd = env.get("COURSE_UTILS_CWD")
+    if cwd:
+        os.chdir(cwd)
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
+    multiprocessing.current_process().daemon = False  # the rank may start its own workers (DataLoader)
+    import faulthandler
+
+    import torch
+
+    torch.set_num_threads(threads)  # OMP_NUM_THREADS is read when torch loads: too late here
+    faulthandler.enable()
+    from course_utils.engine import _worker
+
+    _worker.PREWARM_AFTER_S = float(os.environ.get("COURSE_UTILS_PREWARM_S", "1.0"))
+    _worker._die_with_parent(os.getppid())  # the server, which ends when the notebook process does
+    _worker.Worker().main()
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,69 @@
+"""The engine's start-up promises on the fallback path: ranks as fresh interpreters (COURSE_UTILS_START=spawn).
+
+test_engine.py and the other engine modules run on the default path (ranks forked from the per-process
+fork server that has torch imported). This module runs a representative subset of test_engine.py again,
+with the fallback forced: start-up, environment, output capture, failures, hangs, dead ranks, interrupts
+while starting, loopback-only sockets and leaks. It also checks the fallback's one-time note.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
+from test_engine import (  # noqa: F401  (collected here again, with this module's fixtures)
+    test_a_timeout_during_the_first_import_of_torch_dynamo_leaves_ddp_working,
+    test_dead_worker_is_reported_and_replaced,
+    test_each_rank_runs_with_its_share_of_the_cores_and_blas_works,
+    test_every_socket_listens_on_loopback_only,
+    test_exception_names_first_rank_and_releases_the_others,
+    test_interrupt_while_the_ranks_start_leaves_none_running,
+    test_output_is_prefixed_grouped_and_includes_fd_level_writes,
+    test_ranks_are_forks_of_the_torch_server_or_fresh_interpreters,
+    test_repeated_launches_leak_no_processes_or_fds,
+    test_skipped_collective_times_out_with_stacks_and_recovers,
+    test_torch_distributed_is_initialised_with_torchrun_env,
+)
+from test_portability import test_ranks_end_when_the_notebook_dies_even_if_their_pipes_stay_open  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_fresh_interpreters():
+    saved = os.environ.get("COURSE_UTILS_START")
+    os.environ["COURSE_UTILS_START"] = "spawn"
+    yield
+    if saved is None:
+        os.environ.pop("COURSE_UTILS_START", None)
+    else:
+        os.environ["COURSE_UTILS_START"] = saved
+
+
+BROKEN_SERVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from multiprocessing import forkserver
+
+    def cannot_start():
+        raise OSError("no fork server here")
+
+    forkserver.ensure_running = cannot_start
+    from course_utils import Cluster
+    for world_size in (2, 1):
+        with Cluster(world_size=world_size, backend="gloo") as c:
+            print(c.run("import sys\\nsys.modules['__main__'].__spec__.name"))
+""")
+
+
+def test_a_server_that_cannot_start_falls_back_to_fresh_interpreters_with_one_note():
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "COURSE_UTILS_START")}
+    run = subprocess.run([sys.executable, "-c", BROKEN_SERVER.format(root=ROOT)], capture_output=True, text=True,
+                         timeout=180, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["['course_utils.engine._worker', 'course_utils.engine._worker']",
+                                       "['course_utils.engine._worker']"]
+    assert run.stderr.count("note: the ranks start as fresh interpreters") == 1, run.stderr
+    assert "no fork server here" in run.stderr
