@@ -293,7 +293,7 @@ def describe_busbw_spread(results):
 
 # -- self-checks of 04's exercises ---------------------------------------------------------------------
 def _fail(message):
-    from course_utils.checks.grad_avg import verdict_error  # the learner's line and the verdict, not our frames
+    from course_utils.checks import verdict_error  # the learner's line and the verdict, not our frames
 
     return verdict_error(message)
 

@@ -50,8 +50,18 @@ def verdict_only(checker):
     return check
 
 
+def verdict_error(message):
+    """An ``AssertionError`` for a checker's verdict that IPython shows as ``verdict_only`` does: the learner's
+    own lines, then the verdict. For self-checks that learners call from a module other than this package
+    (``bench``, 04_measuring_bandwidth), which ``verdict_only`` does not wrap."""
+    exc = AssertionError(message)
+    exc._render_traceback_ = functools.partial(_render_verdict, exc)
+    return exc
+
+
 def _shown_frames(tb):
-    """The traceback without IPython's own frames and without frames marked ``__tracebackhide__``."""
+    """The traceback without IPython's own frames, the course package's (a checker's insides) and frames
+    marked ``__tracebackhide__``."""
     import types
 
     kept = []
@@ -59,7 +69,7 @@ def _shown_frames(tb):
         frame = tb.tb_frame
         module = frame.f_globals.get("__name__", "") or ""
         hidden = frame.f_locals.get("__tracebackhide__", False)
-        if not hidden and not module.startswith(("IPython.", "ipykernel.", "course_utils.checks")):
+        if not hidden and not module.startswith(("IPython.", "ipykernel.", "course_utils.")):
             kept.append((frame, tb.tb_lasti, tb.tb_lineno))
         tb = tb.tb_next
     new = None
@@ -82,7 +92,8 @@ def _render_verdict(verdict):
             return shell.InteractiveTB.structured_traceback(type(verdict), verdict, tb, tb_offset=0)
     except Exception:  # no IPython, or a formatter that differs: plain Python formatting below
         pass
-    return "".join(traceback.format_exception(type(verdict), verdict, tb)).rstrip().splitlines()
+    lines = "".join(traceback.format_exception(type(verdict), verdict, tb)).rstrip().splitlines()
+    return [line for line in lines if line.strip(" ^~")]  # without Python's column markers under a line
 
 
 def __getattr__(name):  # import a checker's module only when it is used

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from course_utils.checks import verdict_error
+
 __all__ = ["check_grad_averaging", "check_adam_hides_the_bug", "RTOL"]
 
 D_IN = 16
@@ -40,39 +42,7 @@ _COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "al
 _CLUSTERS = {}  # world_size -> Cluster, reused across calls when no %%ddp cluster is running
 
 
-def verdict_error(message):
-    """An AssertionError for a checker's verdict. IPython shows it as the learner's own frames and the verdict,
-    without the checker's frames (``_render_traceback_``); pytest hides them through ``__tracebackhide__``.
-    Used by the checks of 04_measuring_bandwidth and 05_manual_gradient_averaging."""
-    exc = AssertionError(message)
-
-    def render():
-        import os
-        import traceback
-        from pathlib import Path
-
-        hidden = (str(Path(__file__).resolve().parent.parent), f"{os.sep}IPython{os.sep}")
-        lines = []
-        for frame in traceback.extract_tb(exc.__traceback__):
-            if any(h in frame.filename for h in hidden):
-                continue  # the checker's frames, and IPython's own
-            where = f"File {frame.filename}"
-            try:
-                from IPython import get_ipython
-
-                named = get_ipython().compile.format_code_name(frame.filename)  # ("Cell", "In[3]")
-                if named:
-                    where = " ".join(named)
-            except Exception:
-                pass
-            lines.append(f"{where}, line {frame.lineno}\n----> {frame.line}")
-        return lines + [f"\x1b[31mAssertionError\x1b[0m: {message}"]
-
-    exc._render_traceback_ = render
-    return exc
-
-
-_fail = verdict_error
+_fail = verdict_error  # the learner's line and the verdict, not our frames
 
 
 def _pick_sizes(world_size):
