@@ -31,17 +31,92 @@ Plain helpers, imported by test modules as ``from conftest import register_by_va
 """
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository; test modules import it from here
 sys.path.insert(0, str(ROOT))
+
+
+def in_ci():
+    """True when CI=true (or 1, yes): where a skipped test would hide that it never ran, it fails instead."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+# ---- what the tests may write -----------------------------------------------------------------
+# Lesson 04 (run by nbval in the same pytest process) and course_utils.bench save to $MICRO_DDP_CACHE, by default
+# the learner's own ~/.cache/micro-ddp: every run of the suite gets a fresh temporary cache instead, set here at
+# import (before nbval starts a kernel, which inherits it) and removed when pytest ends. A test that needs its
+# own cache sets MICRO_DDP_CACHE itself. `pytest notebooks` alone does not load this file: the Makefile's
+# test-baseline-cpu sets a temporary MICRO_DDP_CACHE itself.
+TEST_CACHE = tempfile.mkdtemp(prefix="micro-ddp-test-cache-")
+os.environ["MICRO_DDP_CACHE"] = TEST_CACHE
+
+
+
+
+def repository_extras():
+    """Untracked and ignored entries of the repository (``git status --porcelain --ignored``, folders collapsed),
+    without Python's bytecode caches: what a test would leave behind by writing into the repository. None
+    outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return {line[3:] for line in out.stdout.splitlines()
+            if line[:2] in ("??", "!!") and "__pycache__" not in line}
+
+
+_EXTRAS_AT_START = repository_extras()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No test may write into the repository: anything new since this file was imported is reported, and fails
+    the run in CI (on a clean clone nobody else writes there; on a shared checkout another person may)."""
+    if _EXTRAS_AT_START is None:
+        return
+    new = sorted((repository_extras() or set()) - _EXTRAS_AT_START)
+    if new:
+        message = f"the tests wrote into the repository: {new}"
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"conftest: {message}", red=True)
+        if in_ci() and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
+
+
+# An idle rank pre-imports torch._dynamo after COURSE_UTILS_PREWARM_S seconds, so a test's timings (and a
+# checker's) would depend on what ran before it on the same cluster. Pinned off for every test module here, not
+# only the engine's (engine_helpers does the same); the notebooks under nbval keep the learner's default, since
+# this fixture only reaches the tests in tests/. A test that needs torch._dynamo imports it itself.
+PINNED_ENV = {"COURSE_UTILS_PREWARM_S": "1e9"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pinned_test_env():
+    saved = {k: os.environ.get(k) for k in PINNED_ENV}
+    os.environ.update(PINNED_ENV)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 # ---- clusters ---------------------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ import pytest
 
 from browser_helpers import (CHROMIUM, CHROMIUM_ARGS, JupyterLab, notebook_panel, open_notebook,
                              read_cells, run_all_cells, save_notebook, wait_for)
+from conftest import ROOT, in_ci
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 LESSONS = ["00_launcher_tour.ipynb", "10_tradeoffs.ipynb"]
 # The cost-model controls of 10_tradeoffs, by their descriptions; moving any of them redraws the plot.
@@ -30,7 +30,7 @@ RANK_LINE = re.compile(r"^\[rank (\d+)\] ", re.M)
 
 def _missing(what):
     message = f"{what}: run .ci/install_browser.sh (and install the venv's test extras)"
-    if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+    if in_ci():
         pytest.fail(f"{message}. CI=true, where a skipped browser test would hide that it never ran.")
     pytest.skip(message)
 

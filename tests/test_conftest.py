@@ -3,14 +3,17 @@
     .venv/bin/python -m pytest tests/test_conftest.py -p no:randomly
 """
 import os
+import signal
 import subprocess
+import tempfile
+from pathlib import Path
 import sys
 import time
 
 import pytest
 
-from conftest import (PortClash, alive, children_of, free_port, kill_process_group, register_by_value,
-                      retry_on_port_clash)
+from conftest import (ROOT, TEST_CACHE, PortClash, alive, children_of, free_port, in_ci, kill_process_group,
+                      register_by_value, repository_extras, retry_on_port_clash)
 
 register_by_value(sys.modules[__name__])
 
@@ -61,16 +64,26 @@ def test_kill_process_group_reaches_grandchildren():
             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
             "print(c.pid, flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    grandchild = int(proc.stdout.readline())
-    assert alive(proc.pid) and alive(grandchild) and children_of(proc.pid) == [grandchild]
-    kill_process_group(proc, grace=1.0)
-    deadline = time.monotonic() + 10
-    while alive(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(proc.pid) and proc.returncode is not None, "the group's leader survived"
-    assert not alive(grandchild), "the leader's child survived the group kill"
-    kill_process_group(proc)  # twice is harmless
-    proc.stdout.close()
+    grandchild = None
+    try:
+        grandchild = int(proc.stdout.readline())
+        assert alive(proc.pid) and alive(grandchild) and children_of(proc.pid) == [grandchild]
+        kill_process_group(proc, grace=1.0)
+        deadline = time.monotonic() + 10
+        while alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(proc.pid) and proc.returncode is not None, "the group's leader survived"
+        assert not alive(grandchild), "the leader's child survived the group kill"
+        kill_process_group(proc)  # twice is harmless
+    finally:  # whatever failed above, no `sleep 600` outlives the test
+        for pid in (proc.pid, grandchild):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.wait(timeout=10)
+        proc.stdout.close()
 
 
 def test_kill_process_group_refuses_pytests_own_group():
@@ -93,3 +106,35 @@ def test_alive_tells_a_zombie_from_a_live_process():
     assert not alive(proc.pid), "an exited, unreaped child (a zombie) must not count as alive"
     assert proc.wait(timeout=10) == 0
     assert alive(os.getpid()) and not alive(proc.pid)
+
+
+def test_the_tests_cache_is_a_fresh_temporary_directory():
+    """Lesson 04 under nbval and course_utils.bench save to $MICRO_DDP_CACHE: never the repository, never the
+    learner's ~/.cache/micro-ddp, in this process and in a kernel started now (nbval's inherits this env)."""
+    cache = Path(TEST_CACHE).resolve()
+    assert os.environ["MICRO_DDP_CACHE"] == TEST_CACHE and cache.is_dir()
+    assert cache.parent == Path(tempfile.gettempdir()).resolve() and cache.name.startswith("micro-ddp-test-cache-")
+    home_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").resolve()
+    for outside in (ROOT.resolve(), home_cache):
+        assert outside not in cache.parents, f"{cache} lies in {outside}"
+    from course_utils import bench
+    assert Path(bench.DEFAULT_PATH).resolve().parent == cache, "course_utils.bench was imported before conftest"
+    kernel = subprocess.run([sys.executable, "-c", "from course_utils import bench; print(bench.DEFAULT_PATH)"],
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert Path(kernel.stdout.strip()).resolve().parent == cache, kernel.stdout
+
+
+def test_a_file_written_into_the_repository_is_seen(tmp_path):
+    """conftest's end-of-session check compares these entries: a new untracked or ignored file shows up."""
+    before = repository_extras()
+    if before is None:
+        if in_ci():
+            pytest.fail("CI runs from a git clone: the repository check needs git")
+        pytest.skip("not a git checkout")
+    probe = ROOT / "tests" / f".probe-{os.getpid()}.tmp"
+    try:
+        probe.write_text("")
+        assert f"tests/{probe.name}" in repository_extras() - before
+    finally:
+        probe.unlink(missing_ok=True)
+    assert f"tests/{probe.name}" not in repository_extras()

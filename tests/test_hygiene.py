@@ -6,15 +6,14 @@ The stored outputs are the reference nbval compares against, so they must come f
 in-order run (scripts/execute_notebooks.py) and hold nothing nbval cannot compare.
 """
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT, in_ci
+
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 LESSON_MAP = "../README.md#lesson-map"
 # (notebook, cell id) pairs allowed an NBVAL_IGNORE_OUTPUT / nbval-ignore-output marker: only a cell whose
@@ -24,6 +23,8 @@ NBVAL_MARKERS = re.compile(r"#\s*NBVAL_(IGNORE_OUTPUT|SKIP)\b")
 NBVAL_TAGS = {"nbval-ignore-output", "nbval-skip"}
 # Everything the course ships, checked against pyproject's ruff settings (target py310: the README promises 3.10+).
 RUFF_PATHS = ["course_utils", "tests", "notebooks", "scripts", "benchmarks"]
+# --no-cache: ruff would otherwise leave .ruff_cache/ at the repository root (no test writes into the repository)
+RUFF = [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format=concise"]
 
 
 def _load(path):
@@ -162,9 +163,17 @@ def test_ruff_is_clean():
     try:
         import ruff  # noqa: F401
     except ImportError:
-        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+        if in_ci():
             pytest.fail("ruff is not installed in the venv (pip install -e '.[test]')")
         pytest.skip("ruff is not installed in the venv (pip install -e '.[test]')")
-    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format=concise",
-                          *RUFF_PATHS], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([*RUFF, *RUFF_PATHS], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, f"ruff check {' '.join(RUFF_PATHS)} found problems:\n{run.stdout}{run.stderr}"
+
+
+def test_the_ruff_check_writes_no_cache(tmp_path):
+    pytest.importorskip("ruff")
+    (tmp_path / "pyproject.toml").write_text("[tool.ruff]\n")
+    (tmp_path / "one.py").write_text("x = 1\n")
+    run = subprocess.run([*RUFF, "one.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.py", "pyproject.toml"], "ruff left a cache behind"

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT, in_ci
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pyproject's test extra)
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STAMP = ".venv/.installed"  # the Makefile's "venv is installed" marker; -o treats it as up to date
 BASELINE_CPU = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
@@ -85,7 +86,7 @@ def test_python_version_promise_is_the_same_everywhere():
 
 def _make(*args, env=None, timeout=120):
     if shutil.which("make") is None:
-        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+        if in_ci():
             pytest.fail("make is not installed: the README's two commands need it")
         pytest.skip("make is not installed (the README's two commands need it)")
     return subprocess.run(["make", "--no-print-directory", "-o", STAMP, f"BIN={BIN}", *args], cwd=ROOT,
@@ -209,34 +210,66 @@ def torch_has_mkl():
 
 # ---- CI -----------------------------------------------------------------------------------------
 
-def _ci_copy(tmp_path, make_rc):
-    """.ci/run, verbatim, in a scratch checkout whose `make` records its arguments and exits with ``make_rc``
-    (its install_browser.sh does nothing), so the script's own logic runs without the suite."""
+CI_STEPS = ["install_browser", "test", "test-baseline-cpu"]  # .ci/run's steps, in order
+
+
+def _ci_run(tmp_path, script, results):
+    """``script`` (.ci/run's text) in a scratch checkout where each step has its own stub result: ``results``
+    maps a step of CI_STEPS to its exit code (0 when absent). The stub install_browser.sh and `make` record
+    which steps ran; returns (the finished run, the steps that ran, in order)."""
     ci = tmp_path / "checkout" / ".ci"
     ci.mkdir(parents=True)
-    shutil.copy2(ROOT / ".ci" / "run", ci / "run")
-    (ci / "install_browser.sh").write_text("echo install_browser: stub\n")
+    (ci / "run").write_text(script)
+    calls = tmp_path / "steps.log"
+    (ci / "install_browser.sh").write_text(f'echo install_browser >> "{calls}"\n'
+                                           f'exit {results.get("install_browser", 0)}\n')
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "make").write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/make.calls"\nexit {make_rc}\n')
+    cases = "".join(f"    {step}) exit {results.get(step, 0)} ;;\n" for step in CI_STEPS[1:])
+    (stubs / "make").write_text(f'#!/bin/sh\necho "$1" >> "{calls}"\ncase "$1" in\n{cases}    *) exit 99 ;;\nesac\n')
     (stubs / "make").chmod(0o755)
     env = dict(os.environ, PATH=f"{stubs}{os.pathsep}{os.environ['PATH']}")
     run = subprocess.run(["bash", str(ci / "run")], env=env, capture_output=True, text=True, timeout=60)
-    calls = (tmp_path / "make.calls").read_text().splitlines() if (tmp_path / "make.calls").exists() else []
-    return run, calls
+    return run, calls.read_text().splitlines() if calls.exists() else []
 
 
-@pytest.mark.parametrize("make_rc", [0, 1, 2, 5])
-def test_ci_run_fails_exactly_when_a_test_step_fails(tmp_path, make_rc):
-    run, calls = _ci_copy(tmp_path, make_rc)
-    out = run.stdout + run.stderr
-    if make_rc == 0:
-        assert run.returncode == 0, f".ci/run failed although every step passed:\n{out}"
-        assert [c.split()[0] for c in calls] == ["test", "test-baseline-cpu"], (
-            f".ci/run must run `make test` (the README's command), then `make test-baseline-cpu`: {calls}")
-    else:
-        assert run.returncode != 0, f".ci/run passed although `make test` exited {make_rc}:\n{out}"
-        assert [c.split()[0] for c in calls] == ["test"], f".ci/run went on after a failed `make test`: {calls}"
+# every step passes; then each step alone fails, with pytest's usual codes (1 failed, 2 interrupted, 5 no tests)
+CI_CASES = [{}] + [{step: rc} for step in CI_STEPS for rc in (1, 2, 5)]
+
+
+def _ci_faults(tmp_path, script):
+    """What is wrong with a .ci/run (its text) over CI_CASES: [] when it runs every step in order, stops at the
+    first failing one and exits with that step's code, and passes only when every step passed."""
+    faults = []
+    for i, results in enumerate(CI_CASES):
+        run, ran = _ci_run(tmp_path / f"case{i}", script, results)
+        failed = next(iter(results), None)
+        expected_steps = CI_STEPS if failed is None else CI_STEPS[:CI_STEPS.index(failed) + 1]
+        expected_rc = results.get(failed, 0)
+        if ran != expected_steps or run.returncode != expected_rc:
+            faults.append(f"steps {results or 'all passing'}: ran {ran} and exited {run.returncode}, expected "
+                          f"{expected_steps} and exit code {expected_rc}\n{run.stdout}{run.stderr}")
+    return faults
+
+
+def test_ci_run_fails_exactly_when_a_step_fails(tmp_path):
+    faults = _ci_faults(tmp_path, (ROOT / ".ci" / "run").read_text())
+    assert not faults, ".ci/run: " + "\n".join(faults)
+
+
+@pytest.mark.parametrize("mutant", [
+    ('step "make test-baseline-cpu" make test-baseline-cpu', "make test-baseline-cpu || true"),
+    ('step "make test" make test', "make test || true"),
+    ('step "install chromium" bash .ci/install_browser.sh', "bash .ci/install_browser.sh || true"),
+    ('        exit "$rc"', "        :"),
+    ('step "make test" make test\n', ""),
+], ids=["ignores-baseline", "ignores-test", "ignores-browser-install", "step-never-exits", "skips-make-test"])
+def test_the_ci_check_catches_a_run_that_ignores_a_step(tmp_path, mutant):
+    """The check above is not vacuous: a .ci/run that ignores (or skips) one step fails it."""
+    script = (ROOT / ".ci" / "run").read_text()
+    old, new = mutant
+    assert script.count(old) == 1, f"mutation {old!r} does not apply to .ci/run any more"
+    assert _ci_faults(tmp_path, script.replace(old, new)), f".ci/run with {old!r} -> {new!r} passed the check"
 
 
 def test_ci_installs_only_debians_chromium():

@@ -17,14 +17,12 @@ between, the launch is retried on a new port (conftest.retry_on_port_clash).
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import (finish, kill_process_group, retry_on_port_clash, start_torchrun, torchrun_env,
+from conftest import (ROOT, finish, kill_process_group, retry_on_port_clash, start_torchrun, torchrun_env,
                       wait_until_listening)
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "train_micro_ddp.py"
 TRAIN_ARGS = ["--steps", "3", "--global-batch-size", "16", "--micro-batch-size", "2", "--log-every", "1"]
 STEP = re.compile(r"^step +(\d+) +loss (\S+)$", re.M)
