@@ -91,7 +91,7 @@ def pytest_sessionfinish(session, exitstatus):
         message = f"the tests wrote into the repository: {new}"
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line(f"conftest: {message}", red=True)
+            reporter.write_line(f"\nconftest: {message}", red=True)
         if in_ci() and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import alive, free_port, register_by_value
+from conftest import PortClash, alive, is_port_clash, register_by_value, retry_on_port_clash
 from course_utils import DistributedError, spawn
 from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
@@ -91,9 +91,31 @@ def test_an_incompatible_init_process_group_is_a_clear_error(make_cluster, call,
 
 
 # -- spawn ------------------------------------------------------------------------------------
-def test_spawn_runs_the_tutorial_unchanged_and_returns_values_in_rank_order(capfd, monkeypatch):
-    monkeypatch.setenv("TUTORIAL_PORT", str(free_port()))  # the tutorial's fixed 12355 could be taken here
-    weights = spawn(demo_basic, args=(2,), nprocs=2, join=True, backend="gloo")
+def _spawn(*args, port_env=None, **kwargs):
+    """``spawn(*args, **kwargs)``, launched again on a fresh port when a rank's port was taken by someone else
+    (conftest.retry_on_port_clash): the tutorial's own port, set in ``$port_env``, or the one spawn presets."""
+    def launch(port):
+        saved = os.environ.get(port_env) if port_env else None
+        if port_env:
+            os.environ[port_env] = str(port)
+        try:
+            return spawn(*args, **kwargs)
+        except DistributedError as exc:
+            if is_port_clash(str(exc)):
+                raise PortClash(str(exc)[-500:]) from exc
+            raise
+        finally:
+            if port_env:
+                if saved is None:
+                    os.environ.pop(port_env, None)
+                else:
+                    os.environ[port_env] = saved
+    return retry_on_port_clash(launch)
+
+
+def test_spawn_runs_the_tutorial_unchanged_and_returns_values_in_rank_order(capfd):
+    # the tutorial's fixed 12355 could be taken here: a free port, retried if someone takes it first
+    weights = _spawn(demo_basic, args=(2,), nprocs=2, join=True, backend="gloo", port_env="TUTORIAL_PORT")
     assert len(weights) == 2
     torch.testing.assert_close(weights[0], weights[1])
     out = capfd.readouterr().out
@@ -114,7 +136,7 @@ def _probe(rank, base):
 
 
 def test_spawn_starts_ranks_without_a_group_and_presets_a_loopback_port():
-    got = spawn(_probe, args=(100,), nprocs=3, backend="gloo")
+    got = _spawn(_probe, args=(100,), nprocs=3, backend="gloo")
     assert [g[:2] for g in got] == [((False, "127.0.0.1", True), [100, 101, 102])] * 3
     assert not [pid for *_, pid in got if alive(pid)], "spawn's ranks end with the call"
 
@@ -128,8 +150,8 @@ def test_spawn_sends_notebook_functions_by_value_and_reports_failures():
         return rank
 
     with pytest.raises(DistributedError, match="rank 1 failed with ValueError: bad rank 7"):
-        spawn(job, nprocs=2, backend="gloo")
-    assert spawn(lambda rank, k: rank * k, args=(scale,), nprocs=2, backend="gloo") == [0, 7]
+        _spawn(job, nprocs=2, backend="gloo")
+    assert _spawn(lambda rank, k: rank * k, args=(scale,), nprocs=2, backend="gloo") == [0, 7]
 
 
 def test_spawn_stops_the_other_ranks_when_one_fails():
@@ -142,7 +164,7 @@ def test_spawn_stops_the_other_ranks_when_one_fails():
         dist.all_reduce(torch.ones(1))  # waits for rank 0 forever (the group's timeout is 30 min)
 
     with pytest.raises(DistributedError) as info:
-        spawn(job, nprocs=2, backend="gloo", timeout=120)
+        _spawn(job, nprocs=2, backend="gloo", timeout=120)
     assert "rank 0 failed with RuntimeError: rank 0 gives up" in str(info.value)
     assert "rank 1: " in str(info.value) and "The other ranks were stopped." in str(info.value)
 
@@ -152,3 +174,22 @@ def test_spawn_rejects_what_it_cannot_do():
         spawn(print, nprocs=2, join=False)
     with pytest.raises(ValueError, match="args must be a tuple"):
         spawn(print, args=[1], nprocs=2)
+
+
+def test_a_taken_port_is_retried_on_a_fresh_one(monkeypatch):
+    import socket
+
+    import conftest
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        handed = []
+
+        def free_port():  # the taken port first, then really free ones
+            handed.append(taken.getsockname()[1] if not handed else real_free_port())
+            return handed[-1]
+
+        real_free_port = conftest.free_port
+        monkeypatch.setattr(conftest, "free_port", free_port)
+        weights = _spawn(demo_basic, args=(2,), nprocs=2, backend="gloo", port_env="TUTORIAL_PORT", timeout=120)
+    assert len(handed) == 2 and len(weights) == 2, f"one clash, then a free port: ports handed out {handed}"
