@@ -5,6 +5,7 @@
 - Ranks blocked in a collective are released by cutting their peer connections found without
   /proc (COURSE_UTILS_NO_PROC=1 switches the /proc path off on Linux).
 """
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import ROOT, alive
 from course_utils import Cluster, DistributedError, DistributedTimeout
+from course_utils.engine import _forkstart
 from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
@@ -62,7 +64,8 @@ def test_a_deadlock_is_released_without_proc(no_proc_cluster):
 
 
 NOTEBOOK = textwrap.dedent("""
-    import os, sys, time
+    import json, os, sys, time
+    from multiprocessing import forkserver
     sys.path.insert(0, {root!r})
     from course_utils import Cluster
     c = Cluster(world_size=2, backend="gloo")
@@ -73,7 +76,8 @@ NOTEBOOK = textwrap.dedent("""
         os.dup2(null, 2)
         time.sleep(120)
         os._exit(0)
-    print(c.pids, holder, flush=True)
+    server = forkserver._forkserver._forkserver_pid  # None when the ranks start as fresh interpreters
+    print(json.dumps({{"ranks": c.pids, "holder": holder, "server": server}}), flush=True)
     os.kill(os.getpid(), 9)  # the notebook dies without a word
 """)
 
@@ -88,13 +92,16 @@ def test_ranks_end_when_the_notebook_dies_even_if_their_pipes_stay_open(tmp_path
                                 env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"})
         proc.wait(timeout=180)
     assert proc.returncode == -signal.SIGKILL, err.read_text()[-2000:]
-    stdout = out.read_text()
-    pids, holder = eval(stdout.split("] ")[0] + "]"), int(stdout.split("] ")[1])
+    started = json.loads(out.read_text())
+    pids, holder, server = started["ranks"], started["holder"], started["server"]
+    if _forkstart.wanted():  # the default on Linux; test_engine_spawn_start runs this test with fresh interpreters
+        assert server is not None and server not in pids, f"no fork server found: {started}"
     try:
         deadline = time.monotonic() + 20
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in [*pids, server] if p) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in pids if alive(p)], "the ranks outlived the notebook process"
+        assert not (server and alive(server)), f"the fork server (pid {server}) outlived the notebook process"
     finally:
         try:
             os.kill(holder, signal.SIGKILL)
