@@ -107,12 +107,32 @@ def straggler_answer(body):
     return learner(source, body=(old, body))
 
 
+LOAD_ATTEMPTS = 3
+
+
+def straggler_verdict(cluster, source, expected):
+    """Run the exercise cell ``source``; return the checker's message (None: it passed). check_straggler tells
+    the 0.25 s sleep from a rank's own compute (milliseconds), so a rank that the machine's load stalls for
+    0.25 s turns one verdict into another: a verdict other than ``expected`` (a substring, or None for a
+    pass) is retried, up to LOAD_ATTEMPTS runs. A checker that is wrong gives the same wrong verdict every time."""
+    for _ in range(LOAD_ATTEMPTS):
+        try:
+            cluster.run(source)
+            message = None
+        except DistributedError as exc:
+            message = str(exc)
+        if (message is None) if expected is None else (message is not None and expected in message):
+            break
+    return message
+
+
 def test_10_exercise_2_solution_passes(cluster):
     setup_10(cluster)
-    cluster.run(cell("10_tradeoffs.ipynb", "check_straggler"))
-    cluster.run(straggler_answer(
-        "    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25 if rank == 0 else 0.0)\n"
-        "    return t_compute, t_step"))
+    for source in (cell("10_tradeoffs.ipynb", "check_straggler"), straggler_answer(
+            "    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25 if rank == 0 else 0.0)\n"
+            "    return t_compute, t_step")):
+        message = straggler_verdict(cluster, source, None)
+        assert message is None, f"the solution failed {LOAD_ATTEMPTS} times:\n{message}"
 
 
 def test_10_exercise_2_scaffold_fails(cluster):
@@ -139,7 +159,8 @@ def test_10_exercise_2_scaffold_fails(cluster):
 ])
 def test_10_exercise_2_wrong_answers_fail_with_a_reason(cluster, body, reason):
     setup_10(cluster)
-    fails_on_ranks(cluster, straggler_answer(body), reason)
+    message = straggler_verdict(cluster, straggler_answer(body), reason)
+    assert message is not None and reason in message, f"expected {reason!r} in the failure:\n{message}"
 
 
 # -- 09_compression, exercise 1: bytes of fp16_compress_wrapper(powerSGD_hook) at rank 1 -------------------
