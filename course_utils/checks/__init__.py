@@ -9,6 +9,8 @@
 - ``check_broadcast_state``, ``check_assign_buckets``, ``check_start_allreduce``, ``check_micro_ddp``,
   ``check_compressor`` (11_capstone_micro_ddp), in ``checks.micro_ddp``
 - the checkers of 12_zero_fsdp, in ``checks.zero``
+- ``check_pad_and_shard``, ``check_micro_fsdp`` (13_fsdp_by_hand), in ``checks.fsdp``
+- ``check_row_parallel_backward``, ``check_pipeline_schedule`` (14_beyond_data_parallelism), in ``checks.parallel``
 
 They raise ``AssertionError`` with an explanation, and return quietly when the code is right.
 
@@ -20,7 +22,7 @@ frames). Importing from the submodule gives the unwrapped function.
 """
 import functools
 
-MODULES = ("all_reduce", "basics", "comm_hook", "grad_avg", "micro_ddp", "zero")
+MODULES = ("all_reduce", "basics", "comm_hook", "fsdp", "grad_avg", "micro_ddp", "parallel", "zero")
 
 _WRAPPED = {}  # name -> wrapped checker, so every import returns the same object
 

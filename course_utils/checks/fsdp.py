@@ -1,0 +1,296 @@
+"""Checkers for the pieces of MicroFSDP the learner writes in 13_fsdp_by_hand.
+
+Call them INSIDE a ``%%ddp`` cell: every rank runs the same checks, and every rank raises the same
+``AssertionError`` (the first failing rank's explanation) or returns quietly.
+``check_pad_and_shard`` needs no process group.
+
+``compare_with_one_process`` is also what tests/test_micro_fsdp.py uses to prove the reference: it
+trains a wrapper and one process side by side and returns the first difference, in words.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_utils.checks.micro_ddp import _agree, _raised, _verdict
+
+
+# -- piece 1: pad and shard ------------------------------------------------------------------------
+
+def check_pad_and_shard(pad_and_shard):
+    """``pad_and_shard(tensors, rank, world_size)`` -> ``(shard, padded_numel)``: the tensors flattened into one
+    fp32 vector, zero-padded to a multiple of W, and slice ``rank`` of W equal slices."""
+    from course_utils import fsdp as ref
+
+    tensors = [torch.arange(6.0).view(2, 3), torch.arange(10.0, 15.0), torch.tensor([[99.0]])]   # 12 numbers
+    problem = None
+    for ws in (2, 4, 5, 7):
+        for rank in range(ws):
+            want, want_padded = ref.pad_and_shard(tensors, rank, ws)
+            try:
+                got, padded = pad_and_shard(tensors, rank, ws)
+            except Exception as exc:  # noqa: BLE001 (the learner's code: any error becomes the verdict)
+                problem = _raised("pad_and_shard", exc)
+                break
+            if not torch.is_tensor(got) or got.dim() != 1:
+                problem = "pad_and_shard must return a flat (1-D) tensor as the shard, and the padded length."
+            elif padded != want_padded:
+                problem = (f"with 12 numbers and W = {ws}, the padded length is {padded}; it must be the smallest "
+                           f"multiple of W that holds them all ({want_padded}).")
+            elif got.numel() != want.numel():
+                problem = (f"with W = {ws}, rank {rank}'s shard has {got.numel()} numbers: every rank must hold the "
+                           f"same number, padded length / W = {want.numel()} (pad with zeros at the end).")
+            elif got.dtype != torch.float32:
+                problem = f"the shard is {got.dtype}: keep the master shard in float32, whatever the compute dtype."
+            elif not torch.equal(got, want):
+                problem = (f"with W = {ws}, rank {rank}'s shard is {got.tolist()}, expected {want.tolist()}: flatten "
+                           "in order, pad with zeros at the END, and take the rank-th contiguous slice.")
+            if problem:
+                break
+        if problem:
+            break
+    if problem is None:
+        got, _ = pad_and_shard(tensors, 0, 1)
+        tensors[0][0, 0] = -1.0
+        if got[0].item() == -1.0:
+            problem = "the shard shares memory with the model's tensor: return a copy (the shard is its own Parameter)."
+        tensors[0][0, 0] = 0.0
+    if problem:
+        raise AssertionError(problem)
+    print("check_pad_and_shard: flat, fp32, zero-padded to a multiple of W, one contiguous slice per rank.")
+
+
+# -- a model the lesson never shows ------------------------------------------------------------------
+
+class Odd(nn.Module):
+    """Sizes that divide by nothing, a frozen bias, the embedding tied to the head (both in the root), and one
+    weight shared by two blocks (so it belongs to no single block)."""
+
+    def __init__(self, vocab=11, d=7, hidden=13, n_blocks=3):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, d))
+                                    for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight                     # tied: one Parameter, two users in the root
+        self.blocks[-1][0].weight = self.blocks[0][0].weight   # shared by two units
+        self.blocks[1][0].bias.requires_grad_(False)            # frozen
+
+    def forward(self, idx):
+        h = self.wte(idx)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def make_odd(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return Odd(**kwargs)
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.2, momentum=0.9),
+    # AdamW divides by sqrt(v): where a gradient is ~0, float rounding moves its sign and the update by up to lr,
+    # so a 1e-6 comparison needs a small lr (the update is about lr per element whatever the gradient)
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1),
+}
+
+
+@contextlib.contextmanager
+def _spy(names, log):
+    """Append the name of each ``dist.<name>`` call to ``log`` while the block runs."""
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = {n: getattr(dist, n) for n in names}
+
+    def wrap(n, fn):
+        def spy(*args, **kwargs):
+            log.append(n)
+            return fn(*args, **kwargs)
+        return spy
+
+    for n, fn in saved.items():
+        setattr(dist, n, wrap(n, fn))
+        setattr(c10d, n, getattr(dist, n))
+    try:
+        yield log
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+            setattr(c10d, n, fn)
+
+
+def _full_grads(wrapper):
+    """``{name: full fp32 gradient}`` gathered from the shards' ``.grad`` (zeros where None)."""
+    out = {}
+    for unit in wrapper.units:
+        for flat in unit.flats:
+            if not flat.requires_grad:
+                continue
+            g = flat.shard.grad if flat.shard.grad is not None else torch.zeros_like(flat.shard)
+            full = torch.empty(flat.padded, dtype=g.dtype, device=g.device)
+            dist.all_gather_single(full, g.detach().contiguous(), group=wrapper.group)
+            for name, t, shape in zip(flat.names, full.split(flat.numels + [flat.padded - sum(flat.numels)]),
+                                      flat.shapes):
+                out[name] = t.view(shape)
+    return out
+
+
+def _reference_grads(ref, xs, ys, compute_dtype, world_size):
+    """One process, the whole batch: fp32 grads of the mean loss. With a 16-bit compute dtype it casts as
+    MicroFSDP does: each rank's micro-batch in compute_dtype, its gradient cast to fp32, divided by W, summed."""
+    params = dict(ref.named_parameters())
+    if compute_dtype == torch.float32:
+        F.cross_entropy(ref(torch.cat(xs)).flatten(0, 1), torch.cat(ys).flatten()).backward()
+        return
+    grads = {n: torch.zeros_like(p) for n, p in params.items()}
+    for x, y in zip(xs, ys):
+        low = {n: p.detach().to(compute_dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
+        logits = torch.func.functional_call(ref, low, (x,))
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).div(len(xs) // world_size).backward()
+        for n, t in low.items():
+            if t.grad is not None:
+                grads[n] += t.grad.float() / world_size
+    for n, p in params.items():
+        if p.requires_grad:
+            p.grad = grads[n]
+
+
+def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", compute_dtype=torch.float32,
+                             accum_steps=1, micro_batch_size=3, tol=1e-6, case="", check_memory=True):
+    """Train ``make(build())`` on this rank's share and ``build()`` in one process on the whole batch; None if
+    the full parameters agree within ``tol`` after every step, else the first problem in words (the same on
+    every rank)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    case = case or f"{ws} ranks, {optimizer}, {str(compute_dtype).replace('torch.', '')}"
+    ref = build()
+    try:
+        model = make(build())
+    except Exception as exc:  # noqa: BLE001
+        return _agree(f"{case}: " + _raised("constructing your wrapper", exc))
+    shards = list(model.parameters())
+    problem = None
+    if any(p.dim() != 1 for p in shards) or sum(p.numel() for p in shards) * ws < sum(
+            p.numel() for p in ref.parameters()):
+        problem = (f"{case}: the wrapper's parameters must be flat shards (1-D) that together hold the whole model "
+                   "once: hand the optimizer the shards, not the module's parameters.")
+    n_unique = sum(p.numel() for p in ref.parameters())
+    stored = sum(p.numel() for p in shards) * ws - (ws - 1) * len(shards)   # at most W - 1 padding per shard
+    if problem is None and stored > n_unique:
+        problem = (f"{case}: the shards hold at least {stored} numbers over the ranks, but the model has {n_unique} "
+                   "distinct ones: a tied weight is counted twice (each copy would get part of its gradient, and "
+                   "the copies drift apart). Collect the parameters by identity, each Parameter once, and point "
+                   "every module that uses it at the same view.")
+    problem = _agree(problem)
+    if problem:
+        return problem
+    opt, ref_opt = OPTIMIZERS[optimizer](shards), OPTIMIZERS[optimizer](list(ref.parameters()))
+    vocab = ref.wte.num_embeddings
+    g = torch.Generator().manual_seed(11)
+    root_bytes = sum(f.nbytes for f in model.root.flats) if hasattr(model, "root") else 0
+    for step in range(steps):
+        xs = [torch.randint(vocab, (micro_batch_size, 5), generator=g) for _ in range(ws * accum_steps)]
+        ys = [torch.randint(vocab, (micro_batch_size, 5), generator=g) for _ in range(ws * accum_steps)]
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        log = []
+        try:
+            for k in range(accum_steps):
+                i = rank * accum_steps + k
+                out = model(xs[i])
+                if check_memory and k == 0 and step == 0 and problem is None:
+                    held = model.gathered_bytes() - root_bytes
+                    if held > 0:
+                        problem = (f"{case}: after forward, before backward, {held} bytes of gathered block weights are "
+                                   "still held. Free a unit's gathered parameters as soon as its forward has run "
+                                   "(only the root may keep its copy): that is what makes memory 1/W.")
+                with _spy(["all_reduce"], log):
+                    F.cross_entropy(out.float().flatten(0, 1), ys[i].flatten()).div(accum_steps).backward()
+        except Exception as exc:  # noqa: BLE001
+            problem = f"{case}, step {step}: " + _raised("a forward/backward through your wrapper", exc)
+            if "storage" in str(exc):
+                problem += (" A freed buffer was read in backward: gather the unit's parameters again (into the same "
+                            "storage) when backward reaches it, before its gradients are computed.")
+        problem = _agree(problem)
+        if problem:
+            return problem
+        if "all_reduce" in log:
+            problem = (f"{case}: your wrapper all-reduces the gradients. That is numerically right, but every rank "
+                       "then holds the whole averaged gradient (twice the gradient memory of a shard: full gradient "
+                       "plus its reduced copy). Reduce-scatter it (dist.reduce_scatter_single), so each rank "
+                       "receives only the average of its own shard.")
+        for p in shards:
+            if problem is None and p.requires_grad and p.grad is not None and (
+                    p.grad.shape != p.shape or p.grad.dtype != torch.float32):
+                problem = (f"{case}: a shard's .grad is {p.grad.dtype} {tuple(p.grad.shape)}, its shard "
+                           f"{p.dtype} {tuple(p.shape)}: the gradient must have the shard's shape, in fp32 (cast "
+                           "before dividing and reducing).")
+        problem = _agree(problem)
+        if problem:
+            return problem
+        _reference_grads(ref, [xs[r * accum_steps + k] for r in range(ws) for k in range(accum_steps)],
+                         [ys[r * accum_steps + k] for r in range(ws) for k in range(accum_steps)], compute_dtype, ws)
+        got = _full_grads(model)
+        for name, p in ref.named_parameters():
+            if problem or not p.requires_grad:
+                continue
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            have = got.get(name)
+            if have is None:
+                problem = f"{case}: no gradient for {name} in any shard."
+                break
+            scale = want.abs().max().item() or 1.0
+            err = (have - want).abs().max().item()
+            if err <= tol * max(1.0, scale) * 10:
+                continue
+            if torch.allclose(have, want * ws, rtol=1e-3, atol=1e-6):
+                problem = (f"{case}, step {step}: {name}.grad is world_size x the average: divide by W before (or "
+                           "after) the reduce-scatter, which SUMS.")
+            elif step > 0:
+                problem = (f"{case}, step {step}: the gradients matched one process at step 0 but not at step {step} "
+                           f"({name}.grad off by {err:.1e}): the forward used weights from before the optimizer's "
+                           "step. Gather from the shard Parameters the optimizer updates, not from a copy taken "
+                           "earlier.")
+            else:
+                problem = f"{case}, step {step}: {name}.grad differs from one process's by {err:.1e}."
+            break
+        problem = _agree(problem)
+        if problem:
+            return problem
+        opt.step()
+        ref_opt.step()
+        full = model.full_state_dict()
+        for name, p in ref.named_parameters(remove_duplicate=False):
+            if name not in full:
+                problem = f"{case}: full_state_dict() has no {name!r}: return every original name, tied ones too."
+                break
+            err = (full[name] - p.detach()).abs().max().item()
+            if err > tol:
+                problem = (f"{case}, after step {step}: {name} differs from one-process training by {err:.1e} "
+                           f"(tolerance {tol:g}).")
+                break
+        problem = _agree(problem)
+        if problem:
+            return problem
+    return None
+
+
+def check_micro_fsdp(make):
+    """``make(module)`` -> your MicroFSDP around ``module``. Trains it against one process on a model the lesson
+    does not show (sizes that divide by nothing, a frozen bias, tied weights), with SGD and with AdamW, one
+    micro-batch per step and then two accumulated, and names what is wrong."""
+    rank = dist.get_rank()
+    problem = None
+    cases = [dict(optimizer="sgd"), dict(optimizer="adamw"), dict(optimizer="sgd", accum_steps=2)]
+    for kwargs in cases:
+        problem = compare_with_one_process(make, **kwargs)
+        if problem:
+            break
+    _verdict(problem)
+    if rank == 0:
+        print(f"check_micro_fsdp: the full parameters equal one process's within 1e-6 after every step, on "
+              f"{dist.get_world_size()} ranks (SGD, AdamW, 2 accumulated micro-batches; uneven sizes, a frozen bias, "
+              "tied weights); freed after forward; gradients reduce-scattered.")

@@ -1,0 +1,122 @@
+"""MicroFSDP (course_utils.fsdp) against one-process training, on real gloo ranks.
+
+The model is ``checks.fsdp.Odd``, which lesson 13 never shows: sizes that divide by neither 2 nor 4, a frozen
+bias, the embedding tied to the head, and a weight shared by two blocks.
+
+    .venv/bin/python -m pytest tests/test_micro_fsdp.py -p no:randomly
+"""
+import sys
+
+import pytest
+import torch
+
+from conftest import register_by_value
+
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def cluster(make_cluster, request):
+    return make_cluster(request.param, timeout=120)  # gloo pinned by make_cluster
+
+
+def _compare(optimizer, dtype_name, accum_steps, tol, checkpointed=False):
+    import torch
+
+    from course_utils.checks.fsdp import compare_with_one_process, make_odd
+    from course_utils.fsdp import MicroFSDP, checkpoint_blocks
+
+    torch.set_num_threads(1)
+    dtype = getattr(torch, dtype_name)
+    build = (lambda: checkpoint_blocks(make_odd())) if checkpointed else make_odd
+    return compare_with_one_process(lambda m: MicroFSDP(m, compute_dtype=dtype), build=build, steps=3,
+                                    optimizer=optimizer, compute_dtype=dtype, accum_steps=accum_steps, tol=tol)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("float16", 1e-4), ("bfloat16", 1e-4)],
+                         ids=["fp32", "fp16", "bf16"])
+def test_full_parameters_equal_one_process_after_every_step(cluster, optimizer, dtype, tol):
+    problems = cluster.run(_compare, optimizer, dtype, 1, tol)
+    assert problems == [None] * len(problems), problems[0]
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("float16", 1e-4)], ids=["fp32", "fp16"])
+def test_gradient_accumulation_into_the_shards(cluster, dtype, tol):
+    problems = cluster.run(_compare, "adamw", dtype, 3, tol)
+    assert problems == [None] * len(problems), problems[0]
+
+
+def test_activation_checkpointing_changes_nothing(cluster):
+    problems = cluster.run(_compare, "sgd", "float32", 1, 1e-6, True)
+    assert problems == [None] * len(problems), problems[0]
+
+
+def _shapes_memory_and_names():
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from course_utils.checks.fsdp import make_odd
+    from course_utils.fsdp import MicroFSDP
+
+    ws = dist.get_world_size()
+    model = MicroFSDP(make_odd(), compute_dtype=torch.float16)
+    n_unique = sum(p.numel() for p in make_odd().parameters())
+    shards = list(model.parameters())
+    x = torch.randint(11, (2, 5))
+    out = model(x)
+    after_forward = {u.name: all(f.gathered for f in u.flats) for u in model.units}
+    F.cross_entropy(out.float().flatten(0, 1), x.flatten()).backward()
+    frozen = [p for p in shards if not p.requires_grad]
+    return dict(
+        stored=sum(p.numel() for p in shards), n_unique=n_unique, ws=ws, n_shards=len(shards),
+        grads=[(tuple(p.grad.shape) == tuple(p.shape), p.grad.dtype) for p in shards if p.requires_grad],
+        shard_dtypes={p.dtype for p in shards}, frozen_grads=[p.grad for p in frozen],
+        after_forward=after_forward, after_backward=model.gathered_bytes(),
+        names=sorted(model.full_state_dict()), want=sorted(make_odd().state_dict()))
+
+
+def test_shards_gradients_memory_and_names(cluster):
+    results = cluster.run(_shapes_memory_and_names)
+    r = results[0]
+    # each unit's flat vector is padded to a multiple of W: at most W - 1 zeros per shard
+    assert r["n_unique"] <= r["stored"] * r["ws"] < r["n_unique"] + r["ws"] * r["n_shards"], r
+    assert r["grads"] and all(same and dtype == torch.float32 for same, dtype in r["grads"]), r["grads"]
+    assert r["shard_dtypes"] == {torch.float32}, "master shards stay fp32 under fp16 compute"
+    assert len(r["frozen_grads"]) == 1 and r["frozen_grads"][0] is None, "the frozen group gets no gradient"
+    assert r["after_forward"] == {"blocks.0": False, "blocks.1": False, "blocks.2": False, "root": True}, \
+        "after forward only the root keeps its gathered parameters"
+    assert r["after_backward"] == 0, "nothing gathered is left after backward"
+    assert r["names"] == r["want"], "full_state_dict() has every original name, tied ones included"
+    for other in results[1:]:
+        assert other["names"] == r["names"]
+
+
+def _prefetch_events():
+    import torch
+    import torch.nn.functional as F
+
+    from course_utils.checks.fsdp import make_odd
+    from course_utils.fsdp import MicroFSDP
+
+    model = MicroFSDP(make_odd())
+    x = torch.randint(11, (2, 5))
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()   # the first step measures the order
+    model.events = []
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    return [(what, unit) for what, unit, _ in model.events]
+
+
+def test_the_next_unit_is_gathered_while_the_current_one_runs(cluster):
+    events = cluster.run(_prefetch_events)[0]
+    starts = [(i, u) for i, (what, u) in enumerate(events) if what == "all-gather start"]
+    # forward: blocks.1's gather starts as soon as blocks.0's is done, before blocks.0 runs
+    done0 = events.index(("all-gather done", "blocks.0"))
+    assert ("all-gather start", "blocks.1") in events[:done0 + 2], events
+    forward_end = events.index(("forward end", None))
+    backward_starts = [u for i, u in starts if i > forward_end]
+    assert backward_starts == ["blocks.2", "blocks.1", "blocks.0"], events
+    # in backward, blocks.1's gather starts before blocks.2's reduce-scatter (blocks.2 still computing)
+    assert events.index(("all-gather start", "blocks.1"), forward_end) < \
+        events.index(("reduce-scatter start", "blocks.2")), events
