@@ -52,11 +52,11 @@ def check_pad_and_shard(pad_and_shard):
         if problem:
             break
     if problem is None:
-        got, _ = pad_and_shard(tensors, 0, 1)
-        tensors[0][0, 0] = -1.0
+        single = torch.arange(12.0)                     # one fp32 tensor that needs no padding
+        got, _ = pad_and_shard([single], 0, 2)
+        single[0] = -1.0
         if got[0].item() == -1.0:
             problem = "the shard shares memory with the model's tensor: return a copy (the shard is its own Parameter)."
-        tensors[0][0, 0] = 0.0
     if problem:
         raise AssertionError(problem)
     print("check_pad_and_shard: flat, fp32, zero-padded to a multiple of W, one contiguous slice per rank.")
@@ -204,8 +204,8 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
                 if check_memory and k == 0 and step == 0 and problem is None:
                     held = model.gathered_bytes() - root_bytes
                     if held > 0:
-                        problem = (f"{case}: after forward, before backward, {held} bytes of gathered block weights are "
-                                   "still held. Free a unit's gathered parameters as soon as its forward has run "
+                        problem = (f"{case}: after forward, before backward, {held} bytes of gathered block weights "
+                                   "are still held. Free a unit's gathered parameters as soon as its forward has run "
                                    "(only the root may keep its copy): that is what makes memory 1/W.")
                 with _spy(["all_reduce"], log):
                     F.cross_entropy(out.float().flatten(0, 1), ys[i].flatten()).div(accum_steps).backward()
