@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["naive_all_reduce", "ring_all_reduce", "chunked_ring_all_reduce", "count_sent_bytes",
-           "chunked_ring_sent_bytes"]
+           "chunked_ring_sent_bytes", "chunked_ring_sent_chunks", "counting_send"]
 
 
 def naive_all_reduce(tensor):
@@ -100,6 +100,19 @@ def chunked_ring_all_reduce(tensor):
         tensor.copy_(flat.view_as(tensor))
 
 
+def chunked_ring_sent_chunks(numel, world_size, rank):
+    """The lengths of the chunks ``rank`` sends in ``chunked_ring_all_reduce``: (reduce-scatter, all-gather).
+
+    Introduced in 03_all_reduce_by_hand: reduce-scatter step s sends chunk (r - s) % n, all-gather step s
+    chunk (r + 1 - s) % n, with the chunks ``tensor_split`` cuts.
+    """
+    n = world_size
+    lengths = [len(c) for c in torch.empty(numel).tensor_split(n)]
+    scatter = [lengths[(rank - s) % n] for s in range(n - 1)]
+    gather = [lengths[(rank + 1 - s) % n] for s in range(n - 1)]
+    return scatter, gather
+
+
 def chunked_ring_sent_bytes(numel, world_size, rank, element_size=4):
     """The bytes ``rank`` sends in ``chunked_ring_all_reduce`` of ``numel`` elements, from the schedule alone.
 
@@ -107,10 +120,28 @@ def chunked_ring_sent_bytes(numel, world_size, rank, element_size=4):
     (reduce-scatter step s: chunk (r - s) % n; all-gather step s: chunk (r + 1 - s) % n) and add up
     their lengths, as ``tensor_split`` cuts them.
     """
-    n = world_size
-    lengths = [len(c) for c in torch.empty(numel).tensor_split(n)]
-    sent = [(rank - s) % n for s in range(n - 1)] + [(rank + 1 - s) % n for s in range(n - 1)]
-    return sum(lengths[c] for c in sent) * element_size
+    scatter, gather = chunked_ring_sent_chunks(numel, world_size, rank)
+    return (sum(scatter) + sum(gather)) * element_size
+
+
+def counting_send(original, sent, depth):
+    """``original`` (``dist.send`` or ``dist.isend``) wrapped to add each outer call's tensor to ``sent``.
+
+    ``sent`` is a dict with "bytes" and "messages"; ``depth`` a one-element list shared by the send and
+    isend wrappers (dist.send calls dist.isend inside: only the outer call counts). Used by
+    ``count_sent_bytes`` and by the checker of 03_all_reduce_by_hand.
+    """
+    def wrapper(tensor, *args, **kwargs):
+        if depth[0] == 0:
+            sent["bytes"] += tensor.numel() * tensor.element_size()
+            sent["messages"] += 1
+        depth[0] += 1
+        try:
+            return original(tensor, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+    wrapper.__name__ = original.__name__
+    return wrapper
 
 
 @contextmanager
@@ -131,23 +162,8 @@ def count_sent_bytes():
 
     sent = {"bytes": 0, "messages": 0}
     saved = {name: getattr(c10d, name) for name in ("send", "isend")}
-
     depth = [0]  # dist.send calls dist.isend inside: count the outer call only
-
-    def counting(original):
-        def wrapper(tensor, *args, **kwargs):
-            if depth[0] == 0:
-                sent["bytes"] += tensor.numel() * tensor.element_size()
-                sent["messages"] += 1
-            depth[0] += 1
-            try:
-                return original(tensor, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-        wrapper.__name__ = original.__name__
-        return wrapper
-
-    wrappers = {name: counting(fn) for name, fn in saved.items()}
+    wrappers = {name: counting_send(fn, sent, depth) for name, fn in saved.items()}
     try:
         for module in (dist, c10d):   # the same object in both, as batch_isend_irecv expects
             for name, fn in wrappers.items():

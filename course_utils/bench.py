@@ -52,6 +52,7 @@ import torch
 __all__ = ["BUS_FACTORS", "bus_factor", "algbw", "busbw", "default_sizes", "iterations_for", "time_op",
            "sweep", "fit_alpha_beta", "memcpy_bandwidth", "format_size", "format_table",
            "save_measurements", "load_measurements", "DEFAULT_PATH", "describe_race", "describe_busbw_spread",
+           "describe_throughput",
            "check_busbw", "check_bucket_times", "check_algbw_prediction"]
 
 
@@ -109,47 +110,70 @@ def iterations_for(nbytes, budget_bytes=32 * 2**20, lo=2, hi=20):
     return int(max(lo, min(hi, budget_bytes // max(nbytes, 1))))
 
 
-def _buffers(op, nbytes, world_size, dtype):
+def _buffers(op, nbytes, world_size, dtype, device="cpu"):
     numel = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
+
+    def ones(k):
+        return torch.ones(k, dtype=dtype, device=device)
+
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         numel -= numel % world_size
-        whole, share = torch.ones(numel, dtype=dtype), torch.ones(numel // world_size, dtype=dtype)
+        whole, share = ones(numel), ones(numel // world_size)
         if op == "all_gather":
             return (whole, share)               # fn(output, input)
         if op == "reduce_scatter":
             return (share, whole)               # fn(output, input)
-        return (whole, torch.ones(numel, dtype=dtype))
+        return (whole, ones(numel))
     if op in ("broadcast", "reduce"):
-        return (torch.ones(numel, dtype=dtype), 0)  # fn(tensor, src_or_dst)
-    return (torch.ones(numel, dtype=dtype),)        # all_reduce: fn(tensor)
+        return (ones(numel), 0)                 # fn(tensor, src_or_dst)
+    return (ones(numel),)                       # all_reduce: fn(tensor)
 
 
-def time_op(fn, op, nbytes, iters, warmup=1, dtype=torch.float32):
+def _rank_device():
+    """The device this rank's collectives run on: its GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":   # NCCL calls return before the GPU is done: wait for it
+        torch.cuda.synchronize(device)
+
+
+def time_op(fn, op, nbytes, iters, warmup=1, dtype=torch.float32, device=None):
     """Run on every rank: mean seconds per call of ``fn`` on an ``nbytes`` buffer, slowest rank's.
 
     ``fn``'s arguments depend on ``op``: all_reduce ``fn(tensor)``; broadcast/reduce
-    ``fn(tensor, 0)``; all_gather and reduce_scatter ``fn(output, input)`` (``dist.*_into_tensor``
-    / ``dist.reduce_scatter_tensor`` style). Introduced in 04_measuring_bandwidth.
+    ``fn(tensor, 0)``; all_gather and reduce_scatter ``fn(output, input)`` (``dist.all_gather_single``
+    / ``dist.reduce_scatter_single`` style). The buffers live on ``device`` (default: the rank's GPU under
+    NCCL, else the CPU); on a GPU the clock stops after ``torch.cuda.synchronize``, as nccl-tests waits for
+    its kernels. Introduced in 04_measuring_bandwidth.
     """
     import torch.distributed as dist
 
-    args = _buffers(op, nbytes, dist.get_world_size(), dtype)
+    device = _rank_device() if device is None else torch.device(device)
+    args = _buffers(op, nbytes, dist.get_world_size(), dtype, device)
     for _ in range(warmup):
         fn(*args)
+    _sync(device)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn(*args)
-    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
 
-def sweep(fn, sizes=None, op="all_reduce", dtype=torch.float32, budget_bytes=32 * 2**20, max_iters=20):
+def sweep(fn, sizes=None, op="all_reduce", dtype=torch.float32, budget_bytes=32 * 2**20, max_iters=20, device=None):
     """Run on every rank: time ``fn`` at each size; the same list of rows on every rank.
 
     Each row: {"bytes", "iters", "time_s", "algbw_Bps", "busbw_Bps"} (see the module docstring).
-    Introduced in 04_measuring_bandwidth.
+    ``device`` as in ``time_op``. Introduced in 04_measuring_bandwidth.
     """
     import torch.distributed as dist
 
@@ -157,7 +181,7 @@ def sweep(fn, sizes=None, op="all_reduce", dtype=torch.float32, budget_bytes=32 
     rows = []
     for nbytes in sizes or default_sizes():
         iters = iterations_for(nbytes, budget_bytes, hi=max_iters)
-        t = time_op(fn, op, nbytes, iters, dtype=dtype)
+        t = time_op(fn, op, nbytes, iters, dtype=dtype, device=device)
         rows.append({"bytes": int(nbytes), "iters": iters, "time_s": t,
                      "algbw_Bps": algbw(nbytes, t), "busbw_Bps": busbw(nbytes, t, n, op)})
     return rows
@@ -278,6 +302,46 @@ def describe_race(rows, ring_rows):
             who(large, f"the largest sizes ({sizes[-2]}, {sizes[-1]})")]
 
 
+def describe_throughput(world_sizes, samples_per_step, compute_s, comm_s, cores):
+    """Two sentences on a data-parallel throughput measurement, chosen from its numbers. Introduced in
+    01_data_parallelism: is compute per rank flat from the smallest to the largest world, and what held
+    the throughput back (the shared cores, the all-reduce, or nothing)?
+
+    ``compute_s`` and ``comm_s`` are seconds per step (the slowest rank's median) at each world size.
+    """
+    n0, n1 = world_sizes[0], world_sizes[-1]
+    step_s = [a + b for a, b in zip(compute_s, comm_s)]
+    growth = compute_s[-1] / compute_s[0]
+    ideal = samples_per_step[-1] / samples_per_step[0]
+    speedup = (samples_per_step[-1] / step_s[-1]) / (samples_per_step[0] / step_s[0])
+    comm_share = comm_s[-1] / step_s[-1]
+    span = f"from {n0} to {n1} ranks"
+    if growth < 0.8:
+        compute = (f"compute per rank shrank {span} (x{growth:.2f}), which the work cannot explain (every rank "
+                   "does the same): other load on this machine disturbed the measurement.")
+    elif growth < 1.5:
+        compute = (f"compute per rank stayed flat {span} (x{growth:.2f}): each rank did the same work, as on one "
+                   f"device per rank ({cores} cores here).")
+    else:
+        compute = (f"compute per rank grew x{growth:.1f} {span}: {cores} core(s) for {n1} ranks, so the ranks "
+                   "queued for the CPU; here they are not independent devices.")
+    if speedup > 1.1 * ideal:
+        limit = f"more than the ideal x{ideal:g}: the {n0}-rank steps were disturbed by other work on this machine"
+    elif speedup >= 0.75 * ideal:
+        limit = f"close to the ideal x{ideal:g}"
+    elif growth >= 1.5 and comm_share >= 0.5:
+        limit = "held back both by the shared CPU cores (compute grew) and by the all-reduce (most of the step)"
+    elif growth >= 1.5:
+        limit = "held back by the shared CPU cores (compute grew) more than by the all-reduce"
+    elif growth >= 0.8:
+        limit = "held back by the all-reduce: compute stayed flat, so the time the step added is communication"
+    else:
+        limit = "but the disturbed compute times make the ratio unreliable"
+    share = (f"the all-reduce (and step) took {comm_share:.0%} of a {n1}-rank step; throughput at {n1} ranks is "
+             f"x{speedup:.1f} that of {n0} rank{'s' if n0 > 1 else ''}, {limit}.")
+    return [compute, share]
+
+
 def describe_busbw_spread(results):
     """Sentences about busbw of several ops at one size: ``results`` maps op -> a ``sweep`` row."""
     bus = {op: r["busbw_Bps"] for op, r in results.items()}
@@ -285,9 +349,25 @@ def describe_busbw_spread(results):
     lines = [f"busbw spans {bus[hi] / bus[lo]:.1f}x, from {lo} (lowest) to {hi} (highest)"]
     if "reduce_scatter" in results and "all_reduce" in results:
         t = results["reduce_scatter"]["time_s"] / results["all_reduce"]["time_s"]
-        lines.append(f"reduce_scatter took {t:.2f}x the time of all_reduce on the same buffer "
-                     + ("(about as long: consistent with gloo running a whole all-reduce and keeping a slice)"
-                        if t > 0.6 else "(clearly less: this backend does not run a whole all-reduce here)"))
+        if t > 1.25:
+            how = "longer than the all-reduce itself"
+        elif t >= 0.8:
+            how = "about as long"
+        elif t >= 0.4:
+            how = "clearly less, but not the half that an optimal reduce-scatter's half the bytes would take"
+        else:
+            how = "less than half"
+        lines.append(f"reduce_scatter took {t:.2f}x the time of all_reduce on the same buffer ({how})")
+        ratio = bus[("reduce_scatter")] / bus["all_reduce"]
+        if ratio < 0.4:
+            where = "below the 0.5 that a whole all-reduce and a slice would give: it costs even more than that"
+        elif ratio <= 0.6:
+            where = "near the 0.5 that a whole all-reduce and a slice give"
+        elif ratio < 0.8:
+            where = "between the 0.5 of a whole all-reduce and a slice and the 1 of a bandwidth-optimal reduce-scatter"
+        else:
+            where = "near the 1 of a bandwidth-optimal reduce-scatter: it moves no more than it must"
+        lines.append(f"reduce_scatter's busbw is {ratio:.2f}x all_reduce's, {where}")
     return lines
 
 
@@ -327,8 +407,9 @@ def check_busbw(my_busbw, row, world_size):
 def check_bucket_times(my_times, alpha, beta):
     """Exercise 2 of 04: the alpha-beta model's time for DDP's first bucket and for a full default bucket.
 
-    ``my_times`` maps "first" and "full" to seconds. The sizes are DDP's: ``dist._DEFAULT_FIRST_BUCKET_BYTES``
-    (1 MiB) and ``bucket_cap_mb=25`` (25 MiB).
+    ``my_times`` maps "first" and "full" to seconds. The sizes are DDP's defaults, with ``bucket_cap_mb`` left
+    unset: ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) for the first bucket and 25 MiB for the others (passing
+    any ``bucket_cap_mb``, even 25, makes the first cap ``bucket_cap_mb`` too: ``_BucketCapacityConfig.create``).
     """
     __tracebackhide__ = True
     import torch.distributed as dist
@@ -347,8 +428,8 @@ def check_bucket_times(my_times, alpha, beta):
         if _near(t, beta * size):
             raise _fail(f"{key}: you left out alpha, the fixed cost every all-reduce pays once.")
         if key == "first" and _near(t, alpha + beta * 25 * 2**20):
-            raise _fail("first: DDP caps the FIRST bucket at 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), "
-                        "not at bucket_cap_mb.")
+            raise _fail("first: while bucket_cap_mb is left unset, DDP caps the FIRST bucket at 1 MiB "
+                        "(dist._DEFAULT_FIRST_BUCKET_BYTES), not at the 25 MiB default of the others.")
         raise _fail(f"{key}: {t:.4g} s is {t / (alpha + beta * size):.3g}x what the model predicts for a bucket "
                     f"of {format_size(size)}: t = alpha + beta x S, with S in bytes.")
 

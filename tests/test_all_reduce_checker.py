@@ -79,6 +79,68 @@ def raising_stub(tensor):
     raise NotImplementedError("write the chunked ring here")
 
 
+def functional_collective(tensor):
+    import torch.distributed._functional_collectives as fc
+    tensor.copy_(fc.all_reduce(tensor, "sum", dist.group.WORLD))
+
+
+def process_group_method(tensor):
+    dist.group.WORLD.allreduce([tensor]).wait()
+
+
+def hidden_collective(tensor):
+    """An all-reduce that no Python wrapper sees: torch's functional-collective operator, called directly."""
+    import importlib
+
+    ops = importlib.import_module("torch").ops._c10d_functional
+    out = ops.all_reduce(tensor, "sum", dist.group.WORLD.group_name)
+    tensor.copy_(ops.wait_tensor(out))
+
+
+def ring_one_chunk_too_many(tensor):
+    chunked_ring_all_reduce(tensor)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.view(-1).tensor_split(n)
+    buf = torch.empty_like(chunks[(rank - 1) % n])
+    req = dist.isend(chunks[rank], (rank + 1) % n)
+    dist.recv(buf, (rank - 1) % n)
+    req.wait()
+
+
+def _ring(tensor, scatter_into, gather_send):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    left, right = (rank - 1) % n, (rank + 1) % n
+    chunks = tensor.view(-1).tensor_split(n)
+    for s in range(n - 1):
+        out, into = chunks[(rank - s) % n], chunks[scatter_into(rank, s, n)]
+        buf = torch.empty_like(into)
+        req = dist.isend(out, right)
+        dist.recv(buf, left)
+        req.wait()
+        into += buf
+    for s in range(n - 1):
+        out, into = chunks[gather_send(rank, s, n)], chunks[(rank - s) % n]
+        buf = torch.empty_like(into)
+        req = dist.isend(out, right)
+        dist.recv(buf, left)
+        req.wait()
+        into.copy_(buf)
+
+
+def gather_reuses_scatter_index(tensor):
+    """The all-gather sends chunk (rank - s) % n, the reduce-scatter's index, instead of (rank + 1 - s) % n."""
+    _ring(tensor, lambda r, s, n: (r - s - 1) % n, lambda r, s, n: (r - s) % n)
+
+
+def scatter_adds_into_sent_chunk(tensor):
+    """The reduce-scatter adds what arrives into the chunk it just sent, not the next one."""
+    _ring(tensor, lambda r, s, n: (r - s) % n, lambda r, s, n: (r + 1 - s) % n)
+
+
+def right_ring(tensor):
+    _ring(tensor, lambda r, s, n: (r - s - 1) % n, lambda r, s, n: (r + 1 - s) % n)
+
+
 def deadlocking(tensor):
     """Every rank waits to receive before anyone sends."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -173,7 +235,7 @@ def test_bandwidth_optimal_false_passes_any_correct_all_reduce(clusters, impl):
 
 
 @pytest.mark.parametrize("impl, words", [
-    (ring_all_reduce, ["right sum", "not bandwidth-optimal", "on 3 ranks", "2.00 x S", "ranks 0, 1, 2 all sent",
+    (ring_all_reduce, ["right sum", "not bandwidth-optimal", "on 3 ranks", "2.00 x S", "every rank sent too much",
                        "tensor_split",
                        "bandwidth_optimal=False"]),
     (naive_all_reduce, ["not bandwidth-optimal", "rank 0 sent", "2.00 x S", "at most 64 bytes"]),
@@ -215,8 +277,55 @@ def test_catches_each_mistake(clusters, impl, words):
 def test_deadlock_becomes_an_assertion(clusters):
     with pytest.raises(AssertionError) as info:
         check_all_reduce(deadlocking, clusters={2: clusters[2]}, world_sizes=(2,), timeout=3)
-    assert "did not finish within 3 s" in str(info.value), str(info.value)
+    message = str(info.value)
+    assert "did not finish within 3 s" in message, message
+    for r in (0, 1):   # where each rank was stuck: the call and the learner's own line
+        assert f"rank {r}: in recv() at" in message and "dist.recv(buf, (rank - 1) % n)" in message, message
     check_all_reduce(chunked_ring_all_reduce, clusters={2: clusters[2]}, world_sizes=(2,))  # usable after
+
+
+@pytest.mark.parametrize("impl, words", [
+    (functional_collective, ["torch.distributed._functional_collectives.all_reduce", "point-to-point"]),
+    (process_group_method, ["ProcessGroup.allreduce", "point-to-point"]),
+    (hidden_collective, ["right sum", "only 0 bytes", "2(n-1) x S = 96 bytes", "travelled another way"]),
+])
+@pytest.mark.parametrize("bandwidth_optimal", [True, False])
+def test_rejects_collectives_however_reached(clusters, impl, words, bandwidth_optimal):
+    """A collective reached around dist.* is named where Python sees it; one no wrapper sees (torch's operator,
+    called directly) still fails, because it hands send/isend less than any point-to-point all-reduce must."""
+    with pytest.raises(AssertionError) as info:
+        check_all_reduce(impl, clusters=clusters, bandwidth_optimal=bandwidth_optimal)
+    message = str(info.value)
+    for w in words:
+        assert w in message, f"the checker's message for {impl.__name__} should mention {w!r}; it was:\n{message}"
+
+
+def test_near_miss_one_chunk_too_many_is_rejected(clusters):
+    """The byte bound is tight: the chunked ring plus one more chunk per rank fails on the first case (2 ranks,
+    12 float32 values: the bound is 48 bytes, the near miss sends 72), and passes without the bound."""
+    with pytest.raises(AssertionError) as info:
+        check_all_reduce(ring_one_chunk_too_many, clusters=clusters)
+    message = str(info.value)
+    for w in ("not bandwidth-optimal", "on 2 ranks", "rank 0 sent 72 bytes", "in 3 messages", "at most 48 bytes"):
+        assert w in message, f"the message should mention {w!r}; it was:\n{message}"
+    check_all_reduce(ring_one_chunk_too_many, clusters=clusters, bandwidth_optimal=False)
+
+
+@pytest.mark.parametrize("impl, words", [
+    (gather_reuses_scatter_index, ["on 2 ranks with a float32 tensor of shape (12,)", "on every rank",
+                                   "chunk 0 (elements 0-5) on rank 0 holds chunk 1's elements (only rank 1's input)",
+                                   "wrong chunk"]),
+    (scatter_adds_into_sent_chunk, [
+        "chunk 1 (elements 6-11) on rank 0 holds only rank 0's own input: it was never reduced",
+        "chunk 0 (elements 0-5) on rank 0 holds rank 1's input, without rank 0's"]),
+])
+def test_off_by_one_ring_names_the_chunk_and_whose_inputs_it_holds(clusters, impl, words):
+    with pytest.raises(AssertionError) as info:
+        check_all_reduce(impl, clusters=clusters)
+    message = str(info.value)
+    for w in words:
+        assert w in message, f"the checker's message for {impl.__name__} should mention {w!r}; it was:\n{message}"
+    assert "on ranks 0, 1 on 2 ranks" not in message and "expected" not in message, message
 
 
 def test_guard_is_removed_after_a_check(clusters):
@@ -224,6 +333,11 @@ def test_guard_is_removed_after_a_check(clusters):
         check_all_reduce(using_the_collective, clusters={2: clusters[2]}, world_sizes=(2,))
     wrapped = clusters[2].run("import torch.distributed as dist; dist.all_reduce.__name__")
     assert wrapped == ["all_reduce", "all_reduce"], f"dist.all_reduce is still wrapped on the ranks: {wrapped}"
+    with pytest.raises(AssertionError):
+        check_all_reduce(process_group_method, clusters={2: clusters[2]}, world_sizes=(2,))
+    method = clusters[2].run("import torch.distributed as dist\n"
+                             "type(dist.ProcessGroup.__dict__['allreduce']).__name__")
+    assert method == ["instancemethod"] * 2, f"ProcessGroup.allreduce is still wrapped on the ranks: {method}"
 
 
 # -- count_sent_bytes: exact byte counts per algorithm -----------------------------------------

@@ -154,6 +154,31 @@ def gathered_in_reverse(x):
     return torch.cat(pieces[::-1])
 
 
+def gather_whole_and_sum(x):
+    """The review's wrong method: all_gather every rank's whole x and add the copies up locally."""
+    everyone = [torch.zeros_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, x)
+    return sum(everyone)
+
+
+def both_halves_but_gather_whole(x):
+    """Calls reduce_scatter for show, then sums whole gathered copies anyway."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    chunks = list(x.chunk(world_size))
+    dist.reduce_scatter(torch.zeros_like(chunks[rank]), chunks)
+    return gather_whole_and_sum(x)
+
+
+def flat_halves(x):
+    """Right, with the flat forms: reduce_scatter_single, then all_gather_single."""
+    world_size = dist.get_world_size()
+    mine = torch.zeros(x.numel() // world_size, dtype=x.dtype)
+    dist.reduce_scatter_single(mine, x)
+    out = torch.zeros_like(x)
+    dist.all_gather_single(out, mine)
+    return out
+
+
 def test_02_exercise_1_all_reduce_in_two_halves(clusters):
     message = run_scaffold("02_collectives_sandbox.ipynb", "check_all_reduce_in_two_halves(", _lesson02_namespace())
     assert "NotImplementedError" in message and "write all_reduce_in_two_halves" in message, message
@@ -162,7 +187,11 @@ def test_02_exercise_1_all_reduce_in_two_halves(clusters):
     expect_failure(check_all_reduce_in_two_halves, reduce_scatter_only, clusters=clusters,
                    words=["only rank", "reduce-scatter half", "all_gather"])
     expect_failure(check_all_reduce_in_two_halves, gathered_in_reverse, clusters=clusters, words=["rank order"])
+    for wrong in (gather_whole_and_sum, both_halves_but_gather_whole):
+        expect_failure(check_all_reduce_in_two_halves, wrong, clusters=clusters,
+                       words=["all-gathered the whole x", "without its first half", "Gather only the chunk"])
     check_all_reduce_in_two_halves(solution_all_reduce_in_two_halves, clusters=clusters)
+    check_all_reduce_in_two_halves(flat_halves, clusters=clusters)
 
 
 def _exchange(send, right, left):

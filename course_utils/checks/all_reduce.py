@@ -16,7 +16,12 @@ By default (``bandwidth_optimal=True``) it also counts the bytes each rank hands
 ``dist.isend`` (``batch_isend_irecv`` goes through ``isend``). The chunked ring sends 2(n-1) chunks of
 at most ceil(numel / n) elements; a correct all-reduce that sends more than that (the naive
 reduce-and-broadcast, the whole-tensor ring) is rejected as correct but not bandwidth-optimal, with
-what it sent. ``bandwidth_optimal=False`` accepts any correct all-reduce.
+what it sent. ``bandwidth_optimal=False`` accepts any correct all-reduce built from point-to-point operations.
+
+Whatever the flag, the ranks together must hand send/isend at least 2(n-1) x S bytes, the least any
+all-reduce computed by the ranks can send: a correct result with less traffic came through a collective
+(``dist.*``, ``torch.distributed._functional_collectives``, a process group's own methods), and each of
+those is also recorded by name where Python can see it.
 """
 import torch
 
@@ -72,14 +77,53 @@ def close_clusters():
 
 # -- on the ranks -------------------------------------------------------------------------------
 _CALLED = []     # collectives the implementation called during the current case
-_SAVED = {}      # (module, name) -> the original function, while the guard is installed
-_SENT = {"bytes": 0, "messages": 0, "depth": 0}   # what this rank handed to send/isend in the current case
+_SAVED = {}      # (owner, name) -> the original function, while the guard is installed
+_SENT = {"bytes": 0, "messages": 0}   # what this rank handed to send/isend in the current case
+_DEPTH = [0]     # > 0 inside a recorded call: what it calls underneath is not recorded again
+_INPUTS = []     # (collective, numel of its second argument when that is a tensor), in call order
+# torch.distributed._functional_collectives: the traced collectives, which do not go through dist.*
+FUNCTIONAL = ("all_reduce", "all_reduce_inplace", "all_reduce_coalesced", "all_gather_tensor",
+              "all_gather_tensor_inplace", "all_gather_inplace", "all_gather_single",
+              "all_gather_into_tensor_coalesced",
+              "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "reduce_scatter_inplace",
+              "all_to_all_single", "all_to_all_inplace", "broadcast", "permute_tensor")
+# the process group's own methods, for code that calls dist.group.WORLD.allreduce(...) directly
+GROUP_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+                 "allgather_into_tensor_coalesced",
+                 "_allgather_base", "reduce", "reduce_scatter", "reduce_scatter_tensor_coalesced",
+                 "_reduce_scatter_base", "broadcast", "gather", "scatter", "alltoall", "alltoall_base", "barrier")
+
+
+def _reset():
+    _CALLED.clear()
+    _INPUTS.clear()
+    _SENT.update(bytes=0, messages=0)
+    _DEPTH[0] = 0
+
+
+def _recorder(label, original, method=False):
+    def recorder(*args, **kwargs):
+        if _DEPTH[0] == 0:
+            _CALLED.append(label)
+            second = args[1] if len(args) > 1 else None
+            _INPUTS.append((label, second.numel() if isinstance(second, torch.Tensor) else None))
+        _DEPTH[0] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
+    recorder.__name__ = getattr(original, "__name__", label)
+    return recorder
 
 
 def _install_guard():
-    """Wrap torch.distributed's collectives so that calls are recorded (and still run, so no rank hangs)."""
+    """Wrap torch.distributed's collectives, however they are reached (dist.*, the functional collectives, the
+    process group's methods), so that calls are recorded (and still run, so no rank hangs); count the bytes
+    handed to send/isend."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
+
+    from course_utils.allreduce import counting_send
 
     if _SAVED:
         return
@@ -87,29 +131,29 @@ def _install_guard():
         original = getattr(c10d, name, None)
         if original is None:
             continue
-
-        def recorder(*args, _name=name, _original=original, **kwargs):
-            _CALLED.append(_name)
-            return _original(*args, **kwargs)
-
+        recorder = _recorder(name, original)
         for module in (dist, c10d):
             if getattr(module, name, None) is original:
                 _SAVED[(module, name)] = original
                 setattr(module, name, recorder)
+    try:
+        import torch.distributed._functional_collectives as fc
+    except ImportError:   # pragma: no cover (torch without the functional collectives)
+        fc = None
+    for name in FUNCTIONAL if fc is not None else ():
+        original = getattr(fc, name, None)
+        if callable(original):
+            _SAVED[(fc, name)] = original
+            setattr(fc, name, _recorder(f"_functional_collectives.{name}", original))
+    group_class = c10d.ProcessGroup
+    for name in GROUP_METHODS:
+        original = group_class.__dict__.get(name)
+        if original is not None:
+            _SAVED[(group_class, name)] = original
+            setattr(group_class, name, _recorder(f"ProcessGroup.{name}", original))
     for name in ("send", "isend"):   # count the bytes; the same wrapper in dist and c10d, as P2POp expects
         original = getattr(c10d, name)
-
-        def counter(tensor, *args, _original=original, **kwargs):
-            if _SENT["depth"] == 0:       # dist.send may call isend inside: count the outer call only
-                _SENT["bytes"] += tensor.numel() * tensor.element_size()
-                _SENT["messages"] += 1
-            _SENT["depth"] += 1
-            try:
-                return _original(tensor, *args, **kwargs)
-            finally:
-                _SENT["depth"] -= 1
-
-        counter.__name__ = name
+        counter = counting_send(original, _SENT, _DEPTH)
         for module in (dist, c10d):
             if getattr(module, name, None) is original:
                 _SAVED[(module, name)] = original
@@ -117,10 +161,10 @@ def _install_guard():
 
 
 def _remove_guard():
-    for (module, name), original in _SAVED.items():
-        setattr(module, name, original)
+    for (owner, name), original in _SAVED.items():
+        setattr(owner, name, original)
     _SAVED.clear()
-    _CALLED.clear()
+    _reset()
 
 
 def _run_case(impl, case_index, dtype, shape):
@@ -133,8 +177,7 @@ def _run_case(impl, case_index, dtype, shape):
     else:
         tensor = torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
     given = tensor.clone()
-    _CALLED.clear()
-    _SENT.update(bytes=0, messages=0, depth=0)
+    _reset()
     returned = impl(tensor)
     called = list(dict.fromkeys(_CALLED))
     _CALLED.clear()
@@ -153,17 +196,108 @@ def _close(result, expected, bound):
     return bool(((result.double() - expected).abs() <= bound).all())
 
 
+def _case_words(case, world_size):
+    dtype, shape = case
+    return f"on {world_size} ranks with a {str(dtype).replace('torch.', '')} tensor of shape {tuple(shape)}"
+
+
+def _who(ranks, world_size):
+    """'every rank', 'rank 1', 'ranks 0 and 2', 'ranks 0, 1 and 3'."""
+    ranks = sorted(ranks)
+    if len(ranks) == world_size and world_size > 1:
+        return "every rank"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def _whose(coefficients, owner):
+    """Plain words for a chunk that holds sum(c_q x rank q's input): 'only rank 0's own input', ..."""
+    ones = [q for q, c in enumerate(coefficients) if c == 1]
+    twice = [q for q, c in enumerate(coefficients) if c == 2]
+    missing = [q for q, c in enumerate(coefficients) if c == 0]
+    if not twice and ones == [owner]:
+        return f"only rank {owner}'s own input: it was never reduced"
+    parts = []
+    if ones:
+        plural = len(ones) > 1
+        parts.append(("ranks " if plural else "rank ") + _and(ones) + "'s input" + ("s" if plural else ""))
+    if twice:
+        parts.append(("rank " if len(twice) == 1 else "ranks ") + _and(twice) + "'s input twice")
+    held = " and ".join(parts) if parts else "nothing"
+    lacks = (", without " + ("rank " if len(missing) == 1 else "ranks ") + _and(missing) + "'s") if missing else ""
+    return f"{held}{lacks}"
+
+
+def _members(coefficients):
+    """'the full sum', 'only rank 1's input', 'ranks 0 and 2's inputs', with any input counted twice named."""
+    ones = [q for q, c in enumerate(coefficients) if c == 1]
+    twice = [q for q, c in enumerate(coefficients) if c == 2]
+    if not twice and len(ones) == len(coefficients):
+        return "the full sum"
+    text = (f"only rank {ones[0]}'s input" if len(ones) == 1 else f"ranks {_and(ones)}'s inputs") if ones else ""
+    if twice:
+        text += (" and " if text else "") + ("rank " if len(twice) == 1 else "ranks ") + _and(twice) + "'s twice"
+    return text or "nothing"
+
+
+def _and(items):
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _chunk_report(outs, wrong, bound, n):
+    """Which chunk is wrong on which rank, and whose inputs it holds: up to two findings, in plain words."""
+    import itertools
+
+    numel = outs[0]["given"].numel()
+    pieces = [torch.arange(numel).tensor_split(n)[c] for c in range(n)]
+    flat_bound = bound.reshape(-1)
+    findings = []
+    for r in wrong:
+        res = outs[r]["result"].reshape(-1).double()
+        for c, idx in enumerate(pieces):
+            if not idx.numel():
+                continue
+            inputs = [o["given"].reshape(-1).double()[idx] for o in outs]
+            expected = sum(inputs)
+            if bool(((res[idx] - expected).abs() <= flat_bound[idx]).all()):
+                continue
+            where = f"chunk {c} (elements {idx[0].item()}-{idx[-1].item()}) on rank {r}"
+            what = None
+            same_length = [c] + [c2 for c2, idx2 in enumerate(pieces) if c2 != c and idx2.numel() == idx.numel()]
+            for c2 in same_length:   # this chunk's inputs first, then another chunk's (a chunk put in the wrong place)
+                inputs2 = [o["given"].reshape(-1).double()[pieces[c2]] for o in outs]
+                for coefficients in itertools.product((0, 1, 2), repeat=n):   # at most 81 combinations (n <= 4)
+                    combo = sum(k * x for k, x in zip(coefficients, inputs2))
+                    if bool(((res[idx] - combo).abs() <= flat_bound[idx] * 2 + flat_bound[pieces[c2]] * 2).all()):
+                        if c2 == c:
+                            what = f"{where} holds {_whose(coefficients, r)}"
+                        else:
+                            what = (f"{where} holds chunk {c2}'s elements ({_members(coefficients)}): it was written "
+                                    "into the wrong chunk")
+                        break
+                if what is not None:
+                    break
+            findings.append(what or f"{where} holds no sum of the ranks' inputs")
+            if len(findings) == 2:
+                return findings
+    return findings
+
+
 def _diagnose(impl, outs, case, world_size):
     """The plain-words reason why the ranks' results are wrong, or None if they are right."""
     dtype, shape = case
     n = world_size
-    what = f"on {n} ranks with a {str(dtype).replace('torch.', '')} tensor of shape {tuple(shape)}"
+    what = _case_words(case, n)
     name = _name(impl)
     used = {r: o["collectives"] for r, o in enumerate(outs) if o["collectives"]}
     if used:
         calls = sorted({c for cs in used.values() for c in cs})
-        return (f"{name} called the collective(s) {', '.join('dist.' + c for c in calls)} "
-                f"(on {_ranks(used)}) {what}. The exercise is to build all-reduce from point-to-point "
+        shown = [c if c.startswith(("ProcessGroup.", "_functional")) else "dist." + c for c in calls]
+        shown = ["torch.distributed." + c if c.startswith("_functional") else c for c in shown]
+        return (f"{name} called the collective(s) {', '.join(shown)} "
+                f"(on {_who(used, n)}) {what}. The exercise is to build all-reduce from point-to-point "
                 "operations only: dist.send/dist.recv or dist.isend/dist.irecv between neighbours.")
 
     given = [o["given"].double() for o in outs]
@@ -203,7 +337,7 @@ def _diagnose(impl, outs, case, world_size):
         stale = all(torch.equal(o["result"].reshape(-1)[tail_start:], o["given"].reshape(-1)[tail_start:])
                     for o in outs)
         how = "they still hold each rank's own input" if stale else "they do not hold the sum"
-        return (f"the last {rem} of {numel} elements are wrong on {_ranks(wrong)} {what} ({how}). "
+        return (f"the last {rem} of {numel} elements are wrong {what}, on {_who(wrong, n)} ({how}). "
                 f"{numel} is not divisible by {n}, and the left-over elements were never reduced: "
                 f"chunks of numel // world_size = {numel // n} elements drop the remainder. Let some "
                 "chunks be one element longer (tensor.tensor_split(world_size) does that).")
@@ -218,14 +352,52 @@ def _diagnose(impl, outs, case, world_size):
                         f"{str(dtype).replace('torch.', '')} make. Somewhere the data passes through a "
                         f"{low_name} tensor (a buffer made with the wrong dtype, or a .to()/.half()/.bfloat16()): "
                         "add and send in the tensor's own dtype (torch.empty_like(chunk) keeps it).")
+    findings = _chunk_report(outs, wrong, bound, n)
     r = wrong[0]
-    flat_res = outs[r]["result"].reshape(-1).double()
-    flat_exp = expected.reshape(-1)
-    first = next(i for i in range(numel) if abs(flat_res[i] - flat_exp[i]) > bound.reshape(-1)[i])
-    count = sum(1 for i in range(numel) if abs(flat_res[i] - flat_exp[i]) > bound.reshape(-1)[i])
-    return (f"wrong result on {_ranks(wrong)} {what}: on rank {r}, {count} of {numel} elements differ "
-            f"from the sum over ranks; the first is element {first}: expected {flat_exp[first].item():.6g}, "
-            f"got {flat_res[first].item():.6g}.")
+    count = int(((outs[r]["result"].double() - expected).abs() > bound).sum())
+    detail = "; ".join(findings)
+    return (f"wrong result {what}: the result differs from the sum over ranks on {_who(wrong, n)} "
+            f"({count} of {numel} elements on rank {r}). Cut into {n} chunks as tensor_split cuts it, {detail}. "
+            "Every chunk must end as the sum of all ranks' inputs, each counted once: follow that chunk "
+            "through the schedule of section 4, step by step.")
+
+
+def _too_few_bytes(impl, outs, case, world_size):
+    """Why a correct result cannot have come from point-to-point operations alone, or None.
+
+    Any all-reduce computed by the ranks needs, for every element, n-1 sends before its sum exists and n-1
+    sends to deliver it (the argument of section 5): 2(n-1) x S bytes over all ranks together. Less than that
+    through send/isend means the data travelled another way (a collective the guard did not see)."""
+    n = world_size
+    size = outs[0]["given"].numel() * outs[0]["given"].element_size()
+    total = sum(o["sent_bytes"] for o in outs)
+    need = 2 * (n - 1) * size
+    if n < 2 or total >= need:
+        return None
+    return (f"{_name(impl)} gives every rank the right sum {_case_words(case, n)}, but the ranks handed only "
+            f"{total} bytes to dist.send/dist.isend in total, and any all-reduce built from point-to-point "
+            f"operations needs at least 2(n-1) x S = {need} bytes over all ranks (section 5: every element is sent "
+            "n-1 times before its sum exists and n-1 times after). The rest travelled another way: a collective "
+            "(torch.distributed._functional_collectives, a process group's own methods, another library). "
+            "Send every chunk with dist.send/dist.isend (or batch_isend_irecv).")
+
+
+def stuck_calls(exc):
+    """Where each rank of a DistributedTimeout was stuck, for a checker's verdict: the learner's own line and the
+    torch.distributed call it waits in ("rank 0: in recv() at Cell In[7], line 5: dist.recv(buf, left)"), read
+    from the report's Python stacks; empty if the report has none."""
+    out = []
+    for block in (getattr(exc, "details", "") or "").split("Python stack of rank ")[1:]:
+        rank, lines = block.split(" ", 1)[0], [line.strip() for line in block.splitlines()[1:]]
+        frames = [(line[5:], lines[i + 1] if i + 1 < len(lines) else "")
+                  for i, line in enumerate(lines) if line.startswith("File ")]
+        own = [f for f in frames if not f[0].startswith('"torch/') and "course_utils" not in f[0]]
+        calls = [f[0].rsplit(" in ", 1)[-1] for f in frames if "distributed_c10d.py" in f[0]]
+        if own:
+            where, code = own[-1]
+            where = where.rsplit(", in ", 1)[0]
+            out.append(f"rank {rank}: " + (f"in {calls[0]}() " if calls else "") + f"at {where}: {code}")
+    return ("\nWhere each rank was stuck:\n  " + "\n  ".join(out)) if out else ""
 
 
 def _ranks(ranks):
@@ -255,10 +427,10 @@ def _too_many_bytes(impl, outs, case, world_size):
         return None
     r = max(over, key=lambda q: outs[q]["sent_bytes"])
     sent, messages = outs[r]["sent_bytes"], outs[r]["messages"]
-    return (f"{_name(impl)} gives every rank the right sum, but it is not bandwidth-optimal: on {n} ranks with a "
-            f"{str(dtype).replace('torch.', '')} tensor of shape {tuple(shape)} (S = {size} bytes), rank {r} sent "
+    return (f"{_name(impl)} gives every rank the right sum, but it is not bandwidth-optimal: {_case_words(case, n)} "
+            f"(S = {size} bytes), rank {r} sent "
             f"{sent} bytes ({sent / size:.2f} x S) in {messages} messages"
-            + (f" ({_ranks(over)} all sent too much)" if len(over) > 1 else "") +
+            + (f" ({_who(over, n)} sent too much)" if len(over) > 1 else "") +
             f". A rank of the chunked ring sends at most {bound} bytes: 2(n-1) = {2 * (n - 1)} chunks of at most "
             f"{-(-numel // n)} elements (2(n-1)/n x S = {2 * (n - 1) / n:.2f} x S when n divides the length). "
             "Cut the tensor into n chunks "
@@ -298,13 +470,16 @@ def check_all_reduce(impl, *, bandwidth_optimal=True, clusters=None, world_sizes
                         f"{name} did not finish within {timeout} s on {n} ranks (shape {shape}): "
                         f"{exc.summary.split(' (')[0]}. Ranks are probably waiting for each other, "
                         "e.g. all sending with blocking dist.send before anyone receives, or a rank "
-                        "receiving a message nobody sends. Use dist.isend + dist.recv, then wait().") from None
+                        "receiving a message nobody sends. Use dist.isend + dist.recv, then wait()."
+                        + stuck_calls(exc)) from None
                 except DistributedError as exc:
                     raised = [exc.rank] + [r for r, s in exc.ranks.items() if "raised" in str(s)]
                     raise AssertionError(
                         f"{name} raised {exc.exc_type} on {_ranks(raised)} of {n} (shape {shape}): "
                         f"{exc.exc_message}") from None
                 reason = _diagnose(impl, outs, (dtype, shape), n)
+                if reason is None:
+                    reason = _too_few_bytes(impl, outs, (dtype, shape), n)
                 if reason is None and bandwidth_optimal:
                     reason = _too_many_bytes(impl, outs, (dtype, shape), n)
                 if reason:
@@ -339,10 +514,11 @@ def check_sent_bytes_prediction(prediction, rank=1, numel=10, world_size=4, *, c
     counted = cluster(world_size, clusters).run(_sent_bytes, numel)[rank]
     if prediction == counted:
         return
+    from course_utils.allreduce import chunked_ring_sent_chunks
+
     n, size, r = world_size, numel * 4, rank
     lengths = [len(c) for c in torch.empty(numel).tensor_split(n)]
-    scatter = sum(lengths[(r - s) % n] for s in range(n - 1)) * 4
-    gather = sum(lengths[(r + 1 - s) % n] for s in range(n - 1)) * 4
+    scatter, gather = (sum(phase) * 4 for phase in chunked_ring_sent_chunks(numel, n, r))
     if prediction == 2 * (n - 1) * size / n:
         why = ("that is 2(n-1)/n x S, exact only when n divides the length. Here tensor_split makes chunks of "
                f"{', '.join(map(str, lengths))} values: which chunk does rank {r} send in each step?")

@@ -175,24 +175,25 @@ def _on_rank(fn, case):
     given = x.clone()
     guard._install_guard()
     try:
-        guard._CALLED.clear()
-        guard._SENT.update(bytes=0, messages=0, depth=0)
+        guard._reset()
         returned = fn(x)
         messages = guard._SENT["messages"]
         called = list(dict.fromkeys(guard._CALLED))
+        inputs = list(guard._INPUTS)
     finally:
         guard._remove_guard()
     if isinstance(returned, (list, tuple)):
         returned = [t.clone() if torch.is_tensor(t) else t for t in returned]
     elif torch.is_tensor(returned):
         returned = returned.clone()
-    return {"given": given, "x_after": x, "returned": returned, "collectives": called, "messages": messages}
+    return {"given": given, "x_after": x, "returned": returned, "collectives": called, "messages": messages,
+            "inputs": inputs}
 
 
 def _run(fn, case, clusters=None, timeout=20):
     __tracebackhide__ = True
     from course_utils import DistributedError, DistributedTimeout
-    from course_utils.checks.all_reduce import _ranks, cluster
+    from course_utils.checks.all_reduce import _ranks, cluster, stuck_calls
 
     if not callable(fn):
         raise TypeError(f"pass the function itself, got {type(fn).__name__}")
@@ -203,7 +204,7 @@ def _run(fn, case, clusters=None, timeout=20):
         raise AssertionError(
             f"{name} did not finish within {timeout} s on {WORLD_SIZE} ranks: {exc.summary.split(' (')[0]}. "
             "Ranks are waiting for each other: a receive that no rank sends to, a wait() on a request "
-            "whose partner never came, or a collective that not every rank called.") from None
+            "whose partner never came, or a collective that not every rank called." + stuck_calls(exc)) from None
     except DistributedError as exc:
         raised = [exc.rank] + [r for r, s in exc.ranks.items() if "raised" in str(s)]
         raise AssertionError(f"{name} raised {exc.exc_type} on {_ranks(sorted(set(raised)))} of {WORLD_SIZE}: "
@@ -218,16 +219,34 @@ def check_all_reduce_in_two_halves(fn, *, clusters=None):
     """Exercise 1 of 02: ``fn(x)`` returns the SUM all-reduce of ``x`` built from reduce_scatter and all_gather."""
     __tracebackhide__ = True
     name = getattr(fn, "__name__", "your function")
-    allowed = {"reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor"}
+    scatters = {"reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single"}
+    gathers = {"all_gather", "all_gather_into_tensor", "all_gather_single"}
     for case in ("two_halves", "two_halves_long"):
         outs = _run(fn, case, clusters)
         used = _collectives_used(outs)
-        other = [c for c in used if c not in allowed]
+        other = [c for c in used if c not in scatters | gathers]
         if other:
-            raise AssertionError(f"{name} called {', '.join('dist.' + c for c in other)}: the exercise builds the "
+            shown = ", ".join(c if "." in c else "dist." + c for c in other)
+            raise AssertionError(f"{name} called {shown}: the exercise builds the "
                                  "all-reduce from its two halves only, dist.reduce_scatter then dist.all_gather.")
         expected = sum(o["given"] for o in outs)
         n = len(outs)
+        numel = expected.numel()
+        whole = [r for r, o in enumerate(outs) for c, k in o["inputs"] if c in gathers and k == numel]
+        if whole:
+            raise AssertionError(f"{name} all-gathered the whole x ({numel} numbers) on rank {whole[0]} and added it "
+                                 "up locally: that is an all-reduce without its first half, and it moves "
+                                 f"{n} times the data. Gather only the chunk the reduce-scatter left each rank "
+                                 f"({numel // n} numbers), then join the chunks.")
+        if not set(used) & gathers:
+            if not set(used) & scatters:
+                raise AssertionError(f"{name} called no collective: each rank sees only its own x. Half 1 is "
+                                     "dist.reduce_scatter, half 2 dist.all_gather.")
+            missing = "dist.all_gather"
+        elif not set(used) & scatters:
+            missing = "dist.reduce_scatter"
+        else:
+            missing = None
         for r, o in enumerate(outs):
             got = o["returned"]
             if got is None:
@@ -244,7 +263,7 @@ def check_all_reduce_in_two_halves(fn, *, clusters=None):
                 raise AssertionError(f"{name} returned shape {tuple(got.shape)} on rank {r}; x has shape "
                                      f"{tuple(expected.shape)}, and so must the all-reduced result.")
             if not torch.allclose(got, expected):
-                if "reduce_scatter" not in used and "reduce_scatter_tensor" not in used:
+                if missing == "dist.reduce_scatter":
                     raise AssertionError(f"{name} never called dist.reduce_scatter, and its result is not the sum: "
                                          "half 1 is a reduce_scatter that leaves rank r the sum of chunk r.")
                 if torch.allclose(got, expected * n) or torch.allclose(got, expected / n):
@@ -252,6 +271,10 @@ def check_all_reduce_in_two_halves(fn, *, clusters=None):
                                          "with SUM once, and do not scale.")
                 raise AssertionError(f"{name}'s result on rank {r} is not the SUM over ranks: are the gathered "
                                      "chunks joined in rank order (chunk r comes from rank r)?")
+        if missing:
+            raise AssertionError(f"{name} returns the sum but never called {missing}: the exercise builds the "
+                                 "all-reduce from both halves, dist.reduce_scatter (rank r ends with the sum of "
+                                 "chunk r) and then dist.all_gather (every rank gets every summed chunk).")
 
 
 def check_ring_shift(fn, *, clusters=None):
