@@ -181,3 +181,36 @@ def format_bytes(n):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+PEAK_KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "buffers")
+
+
+def peak_memory(step, *tracked):
+    """Run ``step()`` once under torch's ``MemTracker`` and return this rank's peak, by kind, in bytes.
+
+    Introduced in 13_fsdp_by_hand. The peak is the largest total over the whole step (forward,
+    backward, optimizer step), not a snapshot after it; the kinds are those at that moment::
+
+        {"total": ..., "parameters": ..., "gradients": ..., "optimizer_state": ...,
+         "activations": ..., "temporaries": ..., "buffers": ...}
+
+    ``tracked``: the model(s) and optimizer(s), passed to ``MemTracker.track_external``. MemTracker
+    (``torch.distributed._tools.mem_tracker``, CPU included in torch 2.13) sees every storage
+    allocated while the step runs: a registered ``nn.Parameter`` (or its ``.grad``) is a parameter (or
+    gradient), optimizer state is what the optimizer allocates, anything else made in forward is an
+    activation and in backward a temporary. So a buffer that is not a registered parameter (DDP's
+    bucket copies, MicroFSDP's gathered weights, a reduce-scatter's input) is counted where it was
+    allocated: as an activation or a temporary.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*tracked)
+    with tracker:
+        step()
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    by = {getattr(k, "value", k): int(v) for k, v in snap.items()}
+    return {"total": by.get("Total", 0), "parameters": by.get("Parameter", 0), "gradients": by.get("Gradient", 0),
+            "optimizer_state": by.get("Optstate", 0), "activations": by.get("Activation", 0),
+            "temporaries": by.get("Temp", 0) + by.get("Other", 0), "buffers": by.get("Buffer", 0)}
