@@ -125,14 +125,15 @@ def generate(model, tokenizer, prompt, max_new_tokens=200, temperature=0.8, seed
     """Sample ``max_new_tokens`` characters after ``prompt`` with a seeded generator: deterministic."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
-    idx = tokenizer.encode(prompt)[None]
+    idx = tokenizer.encode(prompt)[None].to(next(model.parameters()).device)  # the model's device
     block = model.cfg.block_size
     for _ in range(max_new_tokens):
         logits = model(idx[:, -block:])[:, -1] / temperature
-        nxt = torch.multinomial(logits.softmax(dim=-1), 1, generator=g)
+        # sample on the CPU with the CPU generator: the same draw whatever device the model is on
+        nxt = torch.multinomial(logits.softmax(dim=-1).cpu(), 1, generator=g).to(idx.device)
         idx = torch.cat([idx, nxt], dim=1)
     model.train()
-    return tokenizer.decode(idx[0])
+    return tokenizer.decode(idx[0].cpu())
 
 
 def save_checkpoint(path, state):

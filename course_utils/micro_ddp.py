@@ -1,8 +1,8 @@
 """MicroDDP: the course's own DistributedDataParallel, small enough to read in one sitting.
 
 Introduced in 11_capstone_micro_ddp, where the learner writes it piece by piece; this is the
-reference solution. It does what torch's DDP does for a model whose trainable parameters all
-take part in every synced backward:
+reference solution. It does what torch's DDP does to the gradients of a model whose trainable
+parameters all take part in every synced backward:
 
 1. at construction, broadcast rank 0's parameters and buffers, so every replica starts equal;
 2. group the trainable parameters into buckets: first in REVERSE registration order (a guess at
@@ -18,6 +18,12 @@ take part in every synced backward:
 4. a callback queued on the autograd engine waits for every bucket at the end of backward, so
    when ``loss.backward()`` returns, every ``.grad`` holds the average over the ranks;
 5. ``no_sync()`` skips all of it: gradients accumulate locally until the next synced backward.
+
+What it does NOT do: torch's DDP (``broadcast_buffers=True``, its default) also broadcasts rank 0's
+buffers before every forward (``_sync_buffers`` in ``_pre_forward``), so running statistics such as
+BatchNorm's stay equal across ranks during training. MicroDDP broadcasts buffers only at
+construction: with buffers that the forward updates, the ranks' copies drift apart (use
+SyncBatchNorm, or broadcast ``module.buffers()`` from rank 0 yourself before each forward).
 
 Wrapping the same module again hands it to the new wrapper: the old wrapper's hooks are removed
 (else every gradient would be all-reduced twice) and the old wrapper refuses to run.
@@ -289,8 +295,16 @@ class PowerSGD:
     m n / ((m + n) r) exceeds ``min_compression_rate`` (2, torch's default): below that the two
     rounds and the QR cost more than the bytes they save. The first ``warmup_steps`` reductions
     are plain all-reduces. The state (error feedback, warm-started Q, reductions so far) is kept
-    per parameter name, so it survives the bucket rebuild, and ``state_dict()`` returns it for a
-    checkpoint.
+    per parameter name, so it survives the bucket rebuild, and ``state_dict()`` returns it (on the
+    CPU) for a checkpoint.
+
+    Why ``warmup_steps=0`` is allowed here when torch requires ``start_powerSGD_iter > 1``
+    (09_compression): torch keys its state by ``bucket.index()``, and DDP's rebuild after the first
+    iteration changes what each index holds. MicroDDP keys it by parameter name, so compressing
+    from step 0 is safe for the state. torch's other reason still holds: compressing the very first,
+    large gradients can cost accuracy, so for real training pass ``warmup_steps`` of 2 or more
+    (``PowerSGD(rank=2, warmup_steps=10)``). The default stays 0 so that one backward shows the
+    compression.
     """
 
     name = "powersgd"
@@ -313,19 +327,20 @@ class PowerSGD:
 
     def state_dict(self):
         """Tensors and plain data only: torch.save / torch.load(weights_only=True) can carry it."""
-        return {"errors": {k: v.clone() for k, v in self.errors.items()},
-                "qs": {k: v.clone() for k, v in self.qs.items()}, "calls": dict(self.calls)}
+        return {"errors": {k: v.detach().cpu().clone() for k, v in self.errors.items()},
+                "qs": {k: v.detach().cpu().clone() for k, v in self.qs.items()}, "calls": dict(self.calls)}
 
     def load_state_dict(self, state):
+        """Loaded on the CPU; ``start`` moves each tensor to its gradient's device at first use."""
         self.errors = {k: v.clone() for k, v in state["errors"].items()}
         self.qs = {k: v.clone() for k, v in state["qs"].items()}
         self.calls = dict(state["calls"])
 
     def start(self, flat, bucket, group):
         ws = dist.get_world_size(group)
-        key = bucket.names[0]
-        self.calls[key] = self.calls.get(key, 0) + 1
-        if self.calls[key] <= self.warmup_steps:
+        for name in bucket.names:  # counted per parameter: the same count whatever the bucket layout
+            self.calls[name] = self.calls.get(name, 0) + 1
+        if self.calls[bucket.names[0]] <= self.warmup_steps:
             return AllReduce().start(flat, bucket, group)
         low_rank = [i for i, p in enumerate(bucket.params) if self.compresses(p)]
         full = [i for i, p in enumerate(bucket.params) if not self.compresses(p)]
@@ -336,6 +351,7 @@ class PowerSGD:
                 self.errors[name] = torch.zeros_like(m)
                 g = torch.Generator().manual_seed(self.seed + zlib.crc32(name.encode()))  # the same Q on every rank
                 self.qs[name] = torch.randn(m.shape[1], self._rank_for(bucket.params[i]), generator=g).to(m)
+            self.errors[name], self.qs[name] = self.errors[name].to(m), self.qs[name].to(m)  # a loaded state: CPU
             m.add_(self.errors[name])                      # M = gradient + what last step missed
         vecs = [bucket.view(i) for i in full]
         ps = [m @ self.qs[bucket.names[i]] for i, m in zip(low_rank, mats)]
@@ -396,10 +412,13 @@ def time_steps(models, optimizers, batch, loss_fn, steps=20, warmup=3):
             opt.zero_grad(set_to_none=True)
             loss_fn(model(batch[0]), batch[1]).backward()
             opt.step()
+            if batch[0].is_cuda:
+                torch.cuda.synchronize()  # CUDA kernels and NCCL run asynchronously: time their end
             dt = time.perf_counter() - t0
             if s >= warmup:
                 times[k].append(dt)
-    local = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    device = next(models[0].parameters()).device  # NCCL reduces CUDA tensors only
+    local = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64, device=device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)  # a step lasts as long as the slowest rank's
     return local.tolist()
 
@@ -421,8 +440,8 @@ def plot_timeline(events, title="One backward pass: bucket all-reduces overlap t
             ax.plot([(t - t0) * 1e3] * 2, [-0.35, 0.35], color="white", lw=0.6)
     for b in range(n):
         start, done = ms[("launch", b)], ms.get(("done", b), ms[("synced", None)])
-        ax.barh(1 + b, max(done - start, 1e-3), left=start, color="tab:orange",
-                label="bucket all-reduce (launch to done)" if b == 0 else None)
+        label = "bucket all-reduce: launch to done\n(includes queueing behind\nearlier buckets)"
+        ax.barh(1 + b, max(done - start, 1e-3), left=start, color="tab:orange", label=label if b == 0 else None)
     ax.axvline(end, color="gray", ls="--", lw=1)
     ax.set_yticks(range(n + 1), ["backward"] + [f"bucket {b}" for b in range(n)])
     ax.invert_yaxis()

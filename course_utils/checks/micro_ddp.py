@@ -28,6 +28,14 @@ def _verdict(problem):
             raise AssertionError(p if dist.get_world_size() == 1 else f"(seen on rank {r}) {p}")
 
 
+def _device():
+    """Where the checkers build their tensors: this rank's GPU on NCCL (which serves CUDA tensors only), the CPU
+    otherwise. The engine has already called ``torch.cuda.set_device(local_rank)`` on NCCL ranks."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _first_problem(checks):
     """Run zero-argument callables that return None or an explanation; stop at the first problem."""
     for check in checks:
@@ -48,10 +56,11 @@ def check_broadcast_state(broadcast_state):
     """``broadcast_state(module)`` must make every rank's parameters and buffers equal rank 0's."""
     from course_utils.models import make_model
 
-    model = make_model(seed=100 + dist.get_rank())
-    model.register_buffer("steps", torch.full((3,), float(dist.get_rank())))
-    want = make_model(seed=100)
-    want.register_buffer("steps", torch.zeros(3))
+    dev = _device()
+    model = make_model(seed=100 + dist.get_rank()).to(dev)
+    model.register_buffer("steps", torch.full((3,), float(dist.get_rank()), device=dev))
+    want = make_model(seed=100).to(dev)
+    want.register_buffer("steps", torch.zeros(3, device=dev))
     problem = None
     try:
         broadcast_state(model)
@@ -123,8 +132,8 @@ def check_assign_buckets(assign_buckets):
 def check_start_allreduce(start_allreduce):
     """``start_allreduce(flat)`` starts an async all-reduce that leaves the average in ``flat``."""
     ws, rank = dist.get_world_size(), dist.get_rank()
-    flat = torch.arange(6, dtype=torch.float32) * (rank + 1)
-    want = torch.arange(6, dtype=torch.float32) * sum(r + 1 for r in range(ws)) / ws
+    flat = torch.arange(6, dtype=torch.float32, device=_device()) * (rank + 1)
+    want = torch.arange(6, dtype=torch.float32, device=_device()) * sum(r + 1 for r in range(ws)) / ws
     problem = None
     try:
         work = start_allreduce(flat)
@@ -166,14 +175,14 @@ def _make(kind, seed):
     from course_utils.models import Reordered, make_model
 
     if kind == "mlp":
-        return make_model(seed=seed)
+        return make_model(seed=seed).to(_device())
     torch.manual_seed(seed)
     if kind == "reordered":
-        return Reordered(d_in=16, d_hidden=32, n_blocks=2)
+        return Reordered(d_in=16, d_hidden=32, n_blocks=2).to(_device())
     if kind == "tied":
-        return _Tied()
+        return _Tied().to(_device())
     if kind == "frozen":
-        model = make_model(seed=seed)
+        model = make_model(seed=seed).to(_device())
         model.net[0].bias.requires_grad_(False)
         return model
     raise ValueError(kind)
@@ -261,7 +270,7 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
     local = _make(kind, seed=7)
     opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
             for m in (theirs, torch_ddp, local)]
-    x, y = make_regression(n=16 * ws * accum_steps * steps, seed=3)
+    x, y = (t.to(_device()) for t in make_regression(n=16 * ws * accum_steps * steps, seed=3))
     micro = 16
     trainable = [p for p in theirs.module.parameters() if p.requires_grad]
     for step in range(steps):
@@ -367,16 +376,16 @@ def check_compressor(compressor, max_rel_error=1e-2):
     from course_utils.models import make_model
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    x, y = make_regression(n=32 * ws, seed=5)
+    x, y = (t.to(_device()) for t in make_regression(n=32 * ws, seed=5))
     xb, yb = x[rank * 32:(rank + 1) * 32], y[rank * 32:(rank + 1) * 32]
-    model = ref.MicroDDP(make_model(seed=1), compressor=compressor)
+    model = ref.MicroDDP(make_model(seed=1).to(_device()), compressor=compressor)
     problem = None
     with _count_bytes() as sent:
         try:
             torch.nn.functional.mse_loss(model(xb), yb).backward()
         except Exception as exc:  # noqa: BLE001 (the learner's code: any error becomes the verdict)
             problem = _raised("your compressor", exc)
-    exact = make_model(seed=1)
+    exact = make_model(seed=1).to(_device())
     torch.nn.functional.mse_loss(exact(xb), yb).backward()
     fp32_bytes = 4 * sum(p.numel() for p in exact.parameters())
     for (name, p), q in zip(model.module.named_parameters(), exact.parameters()):
