@@ -6,11 +6,19 @@
 #                            baseline instruction set (another machine's arithmetic; see CONTRIBUTING.md)
 # TESTS and NOTEBOOKS narrow a run: make test TESTS=tests/test_plots.py, make test-baseline-cpu
 # NOTEBOOKS=notebooks/03_all_reduce_by_hand.ipynb. Without them, make test is exactly `python -m pytest`.
+# Without Chromium the browser test skips itself (it fails under CI=true); to leave it out on purpose:
+#   make test TESTS=--deselect=tests/test_browser.py
+# TORCH_INDEX_URL: the index torch's wheel comes from, empty by default (PyPI, as CI and the course's machines
+# use). A Linux laptop without a GPU gets the CPU-only build (a few hundred MB instead of several GB of CUDA libraries):
+#   make lab TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The version is pyproject.toml's one torch pin, installed first from that index; the course's packages follow.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TESTS ?=
+TORCH_INDEX_URL ?=
+TORCH_PIN := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
 NOTEBOOKS ?= notebooks
 # ATen's dispatch (no AVX2/AVX-512 kernels), MKL and oneDNN limited to SSE: torch 2.13 reports
 # torch.backends.cpu.get_cpu_capability() == "DEFAULT", MKL_VERBOSE "SSE4.2", oneDNN "isa:Intel SSE4.1".
@@ -19,9 +27,10 @@ BASELINE_CPU := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDN
 .PHONY: lab test test-baseline-cpu notebooks bench clean
 
 $(STAMP): pyproject.toml
-	@echo "Setting up $(VENV): torch (CPU) and the course's packages, about 2 minutes and 1.5 GB the first time"
+	@echo "Setting up $(VENV): $(TORCH_PIN) from $(or $(TORCH_INDEX_URL),PyPI) and the course's packages, a few minutes the first time"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX_URL),$(BIN)/python -m pip install --quiet --index-url "$(TORCH_INDEX_URL)" "$(TORCH_PIN)")
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
@@ -33,8 +42,11 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(TESTS)
 
+# `pytest notebooks` does not load tests/conftest.py, which gives every other run a temporary MICRO_DDP_CACHE:
+# here the recipe does, so lesson 04 never overwrites the learner's ~/.cache/micro-ddp/bandwidth.json.
 test-baseline-cpu: $(STAMP)
-	$(BASELINE_CPU) $(BIN)/python -m pytest $(NOTEBOOKS)
+	cache=$$(mktemp -d) && $(BASELINE_CPU) MICRO_DDP_CACHE=$$cache $(BIN)/python -m pytest $(NOTEBOOKS); \
+		rc=$$?; rm -rf "$$cache"; exit $$rc
 
 notebooks: $(STAMP)  # re-execute every notebook in place (stored outputs)
 	$(BIN)/python scripts/execute_notebooks.py

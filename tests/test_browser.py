@@ -28,8 +28,14 @@ CONTROLS = ["world size", "model size", "bandwidth", "latency", "micro-batch", "
 RANK_LINE = re.compile(r"^\[rank (\d+)\] ", re.M)
 
 
+# How a learner's machine without Chromium (or without apt) runs everything else, on purpose; the Makefile and
+# the README say the same. TESTS holds no test path, so pytest still runs its testpaths, minus this module.
+LEAVE_OUT = "make test TESTS=--deselect=tests/test_browser.py"
+
+
 def _missing(what):
-    message = f"{what}: run .ci/install_browser.sh (and install the venv's test extras)"
+    message = (f"{what}: on Debian/Ubuntu .ci/install_browser.sh installs chromium (and `make test` installs the "
+               f"test extras); to leave the browser test out on purpose: {LEAVE_OUT}")
     if in_ci():
         pytest.fail(f"{message}. CI=true, where a skipped browser test would hide that it never ran.")
     pytest.skip(message)
@@ -249,3 +255,37 @@ def test_controls_redraw_the_cost_model_plot(lessons):
             unchanged.append(f"{description} -> {value}")
         lesson.screenshot(cell, f"widgets_after_{n}_{description.replace(' ', '_')}")
     assert not unchanged, f"10_tradeoffs: moving these controls did not redraw the plot within 30 s: {unchanged}"
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_without_chromium_it_says_how_to_leave_the_browser_test_out(monkeypatch, ci):
+    """Outside CI a missing browser skips the test, inside CI it fails it; both say how to leave it out."""
+    monkeypatch.setenv("CI", ci)
+    outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(outcome) as info:
+        _missing("/usr/bin/chromium is not installed")
+    assert LEAVE_OUT in str(info.value) and ".ci/install_browser.sh" in str(info.value), str(info.value)
+
+
+def test_the_way_to_leave_it_out_runs_everything_else():
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    for where in ("Makefile", ".ci/install_browser.sh"):
+        assert LEAVE_OUT in (ROOT / where).read_text(), f"{where} says the same command"
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    target, variable = shlex.split(LEAVE_OUT)[1:]
+    run = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", target, variable],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    (argv,) = [shlex.split(line) for line in run.stdout.splitlines() if "pytest" in line]
+    options = argv[argv.index("pytest") + 1:]
+    assert options == ["--deselect=tests/test_browser.py"], f"only an option, so pytest keeps its testpaths: {argv}"
+    # and the option drops this module and nothing else (collected, not run)
+    collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", *options,
+                              "tests/test_browser.py", "tests/test_plots.py"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    ids = [line for line in collect.stdout.splitlines() if "::" in line]
+    assert ids and all(i.startswith("tests/test_plots.py::") for i in ids), collect.stdout[-2000:]

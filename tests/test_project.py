@@ -132,6 +132,36 @@ def test_readme_quick_start_is_the_two_make_targets():
             f"`{command}` must create .venv and install the course (with its test extra) when needed:\n{create.stdout}")
 
 
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's install page, "CPU" column
+
+
+def _setup_lines(*args):
+    """The recipe lines of the venv's set-up (pyproject.toml treated as newer than the venv), ``make -n``."""
+    run = subprocess.run(["make", "--no-print-directory", "-n", "-W", "pyproject.toml", "lab", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return [shlex.split(line) for line in run.stdout.splitlines() if "pip install" in line]
+
+
+def test_the_torch_wheel_index_is_one_make_variable_empty_by_default():
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    default = _setup_lines()
+    assert not any("--index-url" in argv or "--extra-index-url" in argv for argv in default), (
+        f"by default (CI, this course's machines) torch comes from PyPI like everything else: {default}")
+    pin = [d for d in _pyproject()["project"]["dependencies"] if re.match(r"torch\b", d)]
+    lines = _setup_lines(f"TORCH_INDEX_URL={CPU_INDEX}")
+    first = [i for i, argv in enumerate(lines) if "--index-url" in argv]
+    course = [i for i, argv in enumerate(lines) if "-e" in argv and ".[test]" in argv]
+    assert len(first) == 1 and course and first[0] < course[0], f"torch from the index first, then the course: {lines}"
+    argv = lines[first[0]]
+    assert argv[argv.index("--index-url") + 1] == CPU_INDEX and argv[-1] == pin[0], (
+        f"`make lab TORCH_INDEX_URL=...` must install pyproject.toml's own pin {pin} from that index: {argv}")
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"make lab TORCH_INDEX_URL={CPU_INDEX}" in makefile, "the Makefile documents the CPU-only build"
+    assert not re.search(r"torch==\d", makefile), "one torch pin, in pyproject.toml: the Makefile reads it from there"
+
+
 def test_make_lab_opens_the_first_lesson_on_loopback():
     (argv,) = _dry_run("lab")
     assert argv[:2] == [str(BIN / "jupyter"), "lab"], f"`make lab` should start JupyterLab: {argv}"
@@ -178,10 +208,16 @@ def test_baseline_cpu_target_forces_the_instruction_set_down(tmp_path):
     body = ("import os, torch\n"
             "def test_isa():\n"
             f"    assert {{k: os.environ.get(k) for k in {sorted(BASELINE_CPU)!r}}} == {BASELINE_CPU!r}\n"
-            "    assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'\n")
-    run = _make("test-baseline-cpu", f"NOTEBOOKS={_tests_dir(tmp_path, body)}", timeout=300)
+            "    assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'\n"
+            f"    open({str(tmp_path / 'cache.txt')!r}, 'w').write(os.environ['MICRO_DDP_CACHE'])\n")
+    run = _make("test-baseline-cpu", f"NOTEBOOKS={_tests_dir(tmp_path, body)}", env={"MICRO_DDP_CACHE": ""},
+                timeout=300)
     assert run.returncode == 0 and "1 passed" in run.stdout, (
         f"make test-baseline-cpu does not force the kernels down:\n{run.stdout}{run.stderr}")
+    # `pytest notebooks` does not load tests/conftest.py: the target gives lesson 04 a temporary cache itself
+    cache = Path((tmp_path / "cache.txt").read_text())
+    assert cache.is_absolute() and ROOT not in cache.parents and ".cache" not in cache.parts, cache
+    assert not cache.exists(), f"make test-baseline-cpu left its temporary cache {cache} behind"
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MKL and oneDNN's x86 ISAs")
@@ -196,10 +232,21 @@ def test_torch_accepts_the_baseline_cpu_settings():
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "capability DEFAULT" in out, f"ATEN_CPU_CAPABILITY=default was not honoured:\n{out[-2000:]}"
-    if torch_has_mkl():
+    if torch_has_mkl() and _cpu_vendor() in ("GenuineIntel", None):
+        # MKL names the instruction set it dispatches to only on Intel CPUs; on AMD its banner reads
+        # "Intel(R) Architecture processors" whatever MKL_ENABLE_INSTRUCTIONS says (ATen and oneDNN are checked)
         assert re.search(r"MKL_VERBOSE.*\(Intel\(R\) SSE4\.2\) enabled processors", out), (
             f"MKL_ENABLE_INSTRUCTIONS=SSE4_2 was not honoured:\n{out[-2000:]}")
     assert re.search(r"onednn_verbose.*isa:Intel SSE4\.1", out), f"ONEDNN_MAX_CPU_ISA=SSE41 was not honoured:\n{out}"
+
+
+def _cpu_vendor():
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
+    return found.group(1) if found else None
 
 
 def torch_has_mkl():
