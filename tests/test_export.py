@@ -1,14 +1,20 @@
 """``%ddp export PATH``: the %%ddp cells become a torchrun script that prints, rank by rank, what the
-ranks printed and showed in the notebook (issue 17, fault 3)."""
-import ast
+ranks printed and showed in the notebook (issue 17, fault 3).
 
-from conftest import finish, retry_on_port_clash, start_torchrun
+Backend-aware (issue 22): on a machine with 2 or more GPUs the kernel's ``%%ddp -n 2`` cells run on NCCL with
+``device = cuda:rank``, so the cells build their tensors on ``device`` and the script runs with the same GPUs
+visible; elsewhere both run on gloo with the GPUs hidden (``torchrun_env``), as before."""
+import ast
+import os
+
+from conftest import finish, retry_on_port_clash, start_torchrun, torchrun_env
+from course_utils import choose_backend
 from course_utils.engine.export import write_script
 from engine_helpers import Kernel, pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 CELLS = [  # run in a real kernel, in this order
     "%%ddp -n 2\nimport torch, torch.distributed as dist\n"
-    "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n"
+    "t = torch.ones(1, device=device) * (rank + 1)\ndist.all_reduce(t)\n"
     "print(f'rank {rank} of {world_size} on {device}: sum {t.item():g}')",
     "%%ddp\nmsg = 'héllo wörld'; msg",                       # UTF-8 before the last expression
     "scale = 0.5",                                            # a notebook value ...
@@ -30,7 +36,19 @@ def _per_rank(lines, world_size):
     return out
 
 
+def _script_env(backend):
+    """torchrun's environment: the GPUs the kernel's ranks used stay visible on NCCL, hidden on gloo."""
+    env = torchrun_env()
+    if backend == "nccl":
+        if "CUDA_VISIBLE_DEVICES" in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            env.pop("CUDA_VISIBLE_DEVICES")
+    return env
+
+
 def test_the_exported_script_prints_what_the_cells_showed(tmp_path):
+    backend = choose_backend("auto", 2)  # what the kernel's %%ddp -n 2 picks on this machine
     k = Kernel()
     try:
         assert k.execute("%load_ext course_utils")[0] == "ok"
@@ -56,7 +74,7 @@ def test_the_exported_script_prints_what_the_cells_showed(tmp_path):
     def run(port):
         proc = start_torchrun("--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static", "--node-rank=0",
                               "--master-addr=127.0.0.1", f"--master-port={port}", f"--log-dir={logs}",
-                              "--redirects=1", script=path, cwd=tmp_path)
+                              "--redirects=1", script=path, cwd=tmp_path, env=_script_env(backend))
         return finish(proc, "the exported script")
 
     retry_on_port_clash(run)
@@ -67,6 +85,9 @@ def test_the_exported_script_prints_what_the_cells_showed(tmp_path):
         r = int(f.parent.name)  # torchrun writes <log-dir>/<run>/attempt_0/<local rank>/stdout.log
         by_rank[r] = f.read_text(encoding="utf-8").splitlines()
     expected = _per_rank(shown, 2)
+    for r in (0, 1):
+        where = f"cuda:{r}" if backend == "nccl" else "cpu"
+        assert f"rank {r} of 2 on {where}: sum 3" in expected[r], (backend, expected[r])
     for r in (0, 1):
         got = [line[len(f"[rank {r}] "):] if line.startswith(f"[rank {r}] ") else line for line in by_rank[r]]
         assert got == expected[r], f"rank {r}: the script printed\n{got}\nthe notebook showed\n{expected[r]}"

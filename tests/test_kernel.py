@@ -1,5 +1,9 @@
 """The %%ddp magic in a real IPython kernel, driven through jupyter_client as JupyterLab drives it:
-the stop button (SIGINT to the kernel), and a kernel that dies must not leave workers behind."""
+the stop button (SIGINT to the kernel), and a kernel that dies must not leave workers behind.
+
+Backend-aware (issue 22): the kernel's ``%%ddp -n 2`` picks NCCL on a machine with 2 or more GPUs, so what
+the tests expect (the backend named by ``%ddp status``, which ``--backend nccl`` is a bad option) comes from
+``choose_backend`` and the GPU count of this machine, not from an assumption of gloo."""
 import os
 import signal
 import time
@@ -7,6 +11,8 @@ import time
 import pytest
 
 from conftest import alive as _alive
+from course_utils import choose_backend
+from course_utils.engine.launcher import _gpu_count
 from engine_helpers import Kernel, pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
@@ -33,7 +39,7 @@ def test_magic_runs_on_every_rank_and_shows_rank_prefixed_output(kernel):
     assert (status, ename) == ("error", "DistributedError")
     kernel.execute("%%ddp\nbefore_bad_options = rank + 10")
     pids = kernel.worker_pids()
-    for bad in ("--bogus 1", "-n four", "-n 0", "--rank 9", "--timeout -1", "--backend nccl"):
+    for bad in ("--bogus 1", "-n four", "-n 0", "--rank 9", "--timeout -1", _too_few_gpus_for_nccl()):
         status, out, ename = kernel.execute(f"%%ddp {bad}\n1")
         assert status == "error", bad
         assert "UsageError: %%ddp" in out and ename != "ValueError", (bad, ename, out)  # IPython prints UsageErrors
@@ -71,6 +77,19 @@ def test_stop_button_interrupts_the_cell_and_the_next_cell_works(kernel):
     assert time.monotonic() - t0 < 30, "the stop button must stop the cell within seconds (5 s on a quiet machine)"
     status, out, _ = kernel.execute("%%ddp\nrank, kept")
     assert (status, out) == ("ok", "[rank 0] (0, 7)\n[rank 1] (1, 7)\n"), "the ranks were released: names kept"
+
+
+def _too_few_gpus_for_nccl(ranks=2):
+    """A %%ddp option line that asks NCCL for more ranks than this machine has GPUs: a usage error anywhere."""
+    gpus = _gpu_count()
+    return "--backend nccl" if gpus < ranks else f"-n {gpus + 1} --backend nccl"
+
+
+def test_the_nccl_option_is_checked_against_this_machines_gpus():
+    line = _too_few_gpus_for_nccl()
+    n = int(line.split()[1]) if line.startswith("-n") else 2
+    with pytest.raises(ValueError, match="needs one GPU per rank"):
+        choose_backend("nccl", n)
 
 
 @pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
@@ -126,8 +145,9 @@ def test_line_magics_status_restart_shutdown_and_the_default_timeout(kernel):
     kernel.execute("%%ddp -n 2\nkept = rank")
     status, out, _ = kernel.execute("%ddp status")
     pids = kernel.worker_pids()
-    assert out == f"2 ranks, backend gloo, timeout 60 s, 0 restart(s), worker pids {pids}\n", out
-    assert kernel.execute("%ddp restart")[1] == "restarted 2 gloo ranks\n"
+    backend = choose_backend("auto", 2)  # gloo here; nccl with 2 or more GPUs
+    assert out == f"2 ranks, backend {backend}, timeout 60 s, 0 restart(s), worker pids {pids}\n", out
+    assert kernel.execute("%ddp restart")[1] == f"restarted 2 {backend} ranks\n"
     assert kernel.worker_pids() != pids and not any(_alive(p) for p in pids)
     status, out, ename = kernel.execute("%ddp pull kept")
     assert ename == "NameError", "a restart starts fresh ranks: names are gone"
