@@ -157,3 +157,63 @@ def test_powersgd_resume_is_the_uninterrupted_run_and_refuses_another_world_size
     assert alone.returncode != 0, f"1 rank resumed 2 ranks' PowerSGD state:\n{alone.stdout[-2000:]}"
     assert "holds the powersgd state of 2 ranks, and this run has 1: resume with 2 processes" in alone.stderr, \
         alone.stderr[-2000:]
+
+
+CRASH_STEPS = 60  # 10-40 ms a step here: the run is still going when rank 1 is killed after step 4
+
+
+def _rank_pids(torchrun_proc):
+    """{rank: pid} of the ranks a torchrun started (its children, told apart by their RANK)."""
+    import psutil
+    ranks = {}
+    for child in psutil.Process(torchrun_proc.pid).children():
+        try:
+            env = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "RANK" in env:
+            ranks[int(env["RANK"])] = child.pid
+    return ranks
+
+
+def test_a_run_killed_mid_way_resumes_from_its_save_every_checkpoint(tmp_path):
+    """The README's recipe: --save-every N writes the checkpoint during the run; a rank killed mid-run (SIGKILL, as
+    a crash or an OOM kill) ends the torchrun, and the same line plus --resume continues from the last checkpoint:
+    the same final loss and the same final checkpoint, bit for bit, as a run that never crashed."""
+    import signal
+
+    common = ["--steps", str(CRASH_STEPS), "--global-batch-size", "8", "--micro-batch-size", "4", "--log-every", "1"]
+    straight, crashed = tmp_path / "straight.pt", tmp_path / "crashed.pt"
+    out, rc = _torchrun2(common + ["--checkpoint", straight], "uninterrupted run")
+    assert rc == 0 and "final_loss=" in out, f"uninterrupted run failed (exit {rc}):\n{out[-3000:]}"
+    reference = re.search(r"final_loss=(\S+)", out).group(1)
+
+    def crash(port):
+        proc = start_torchrun("--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+                              f"--master-port={port}", "--node-rank=0", script=SCRIPT,
+                              script_args=common + ["--checkpoint", crashed, "--save-every", "2"])
+        lines, killed = [], None
+        try:
+            for line in proc.stdout:  # rank 0's "step 4" is printed once the step-2 checkpoint is on disk
+                lines.append(line)
+                if killed is None and re.match(r"step +4 ", line):
+                    killed = _rank_pids(proc)[1]
+                    os.kill(killed, signal.SIGKILL)
+            proc.wait(timeout=240)
+        finally:
+            kill_process_group(proc)
+        out = "".join(lines)
+        if proc.returncode and killed is None and is_port_clash(out):
+            raise PortClash(out[-500:])
+        return out, proc.returncode, killed
+
+    out, rc, killed = retry_on_port_clash(crash)
+    assert killed is not None, f"the run never reached step 4:\n{out[-3000:]}"
+    assert rc != 0 and "final_loss=" not in out, f"killing rank 1 did not end the run (exit {rc}):\n{out[-3000:]}"
+    saved = torch.load(crashed, weights_only=True)["step"]
+    assert 2 <= saved < CRASH_STEPS and saved % 2 == 0, f"--save-every 2 left a checkpoint at step {saved}"
+
+    out, rc = _torchrun2(common + ["--checkpoint", crashed, "--save-every", "2", "--resume"], "resumed run")
+    assert rc == 0 and f"resumed from {crashed} at step {saved}" in out, f"exit {rc}:\n{out[-3000:]}"
+    assert re.search(r"final_loss=(\S+)", out).group(1) == reference, "the resumed run ends on another loss"
+    _assert_identical(torch.load(straight, weights_only=True), torch.load(crashed, weights_only=True))
