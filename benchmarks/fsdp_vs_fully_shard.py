@@ -27,73 +27,9 @@ from course_utils import Cluster  # noqa: E402
 
 
 def measure(n_layer, n_embd, micro_batch_size, steps):
-    import statistics
-    import time
-    import warnings
+    from course_utils.fsdp import race_fully_shard
 
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from course_utils.fsdp import MicroFSDP
-    from course_utils.gpt import CharTokenizer, get_batch, load_corpus, make_gpt
-    from course_utils.memory import peak_memory
-    from course_utils.zero import count_collectives
-
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    torch.set_num_threads(1)
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    data = tok.encode(text)
-
-    def make(kind):
-        model = make_gpt(tok.vocab_size, seed=0, n_layer=n_layer, n_embd=n_embd)
-        if kind == "MicroFSDP":
-            model = MicroFSDP(model)
-        else:
-            mesh = init_device_mesh("cpu", (ws,))
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    runs = {kind: make(kind) for kind in ("FSDP2", "MicroFSDP")}
-    x, y = get_batch(data, 0, rank, micro_batch_size, ws * micro_batch_size)
-
-    def step(model, opt, phases=None):
-        opt.zero_grad(set_to_none=True)
-        with count_collectives() as forward:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        with count_collectives() as backward:
-            loss.backward()
-        with count_collectives() as update:
-            opt.step()
-        if phases is not None:
-            phases.update(forward=forward.sent(), backward=backward.sent(), step=update.sent())
-        return loss.detach()
-
-    out = {}
-    losses = {}
-    for kind, (model, opt) in runs.items():
-        phases = {}
-        losses[kind] = [step(model, opt, phases).item() for _ in range(2)]
-        out[kind] = {"bytes": phases, "peak": peak_memory(lambda m=model, o=opt: step(m, o), model, opt)}
-    times = {kind: [] for kind in runs}
-    for _ in range(steps):
-        for kind, (model, opt) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(model, opt)
-            times[kind].append(time.perf_counter() - t0)
-    local = torch.tensor([statistics.median(times[k]) for k in runs], dtype=torch.float64)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    for kind, t in zip(runs, local.tolist()):
-        out[kind]["seconds"] = t
-    n_params = sum(p.numel() for p in make_gpt(tok.vocab_size, seed=0, n_layer=n_layer, n_embd=n_embd).parameters())
-    return n_params, out, losses
+    return race_fully_shard(n_layer, n_embd, micro_batch_size, steps)
 
 
 def fmt_bytes(n):

@@ -166,9 +166,10 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
     every rank)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     case = case or f"{ws} ranks, {optimizer}, {str(compute_dtype).replace('torch.', '')}"
-    ref = build()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ref = build().to(device)
     try:
-        model = make(build())
+        model = make(build().to(device))
     except Exception as exc:  # noqa: BLE001
         return _agree(f"{case}: " + _raised("constructing your wrapper", exc))
     shards = list(model.parameters())
@@ -192,8 +193,8 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
     g = torch.Generator().manual_seed(11)
     root_bytes = sum(f.nbytes for f in model.root.flats) if hasattr(model, "root") else 0
     for step in range(steps):
-        xs = [torch.randint(vocab, (micro_batch_size, 5), generator=g) for _ in range(ws * accum_steps)]
-        ys = [torch.randint(vocab, (micro_batch_size, 5), generator=g) for _ in range(ws * accum_steps)]
+        xs = [torch.randint(vocab, (micro_batch_size, 5), generator=g).to(device) for _ in range(ws * accum_steps)]
+        ys = [torch.randint(vocab, (micro_batch_size, 5), generator=g).to(device) for _ in range(ws * accum_steps)]
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         log = []
