@@ -1,6 +1,7 @@
-"""scripts/train_micro_ddp.py outside torchrun's comfort zone: srun without torchrun (issue 17, fault 11),
-the end of a run on a loaded machine (fault 12: no rank may abort after final_loss), and a PowerSGD run
-resumed from its checkpoint (issue 12)."""
+"""scripts/train_micro_ddp.py outside torchrun's comfort zone: srun without torchrun (issue 17, fault 11), and
+the same fallback in the scripts %ddp export writes; the end of a run on a loaded machine (fault 12: no rank may
+abort after final_loss); a PowerSGD run resumed from its checkpoint (issue 12); a run whose rank is killed
+mid-way, resumed from its --save-every checkpoint (issue 25)."""
 import importlib.util
 import os
 import re
@@ -42,16 +43,18 @@ def test_srun_layout_is_read_from_slurm_not_guessed_from_the_world_size():
         script.local_layout({"RANK": "3", "WORLD_SIZE": "4"})
 
 
-def _srun_like(port, world_size=2, steps=2):
-    """world_size plain processes on one 'node', with only the variables srun and the README's recipe set."""
+def _srun_like(port, world_size=2, steps=2, script=SCRIPT, args=None, slurm=None):
+    """world_size plain processes on one 'node', with only the variables srun and the README's recipe set (no
+    torchrun variable); ``slurm(rank)`` may replace rank's SLURM_* variables."""
     procs = []
     for r in range(world_size):
-        env = torchrun_env(RANK=str(r), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS=str(world_size),
-                           SLURM_NTASKS_PER_NODE=str(world_size), SLURM_TASKS_PER_NODE=str(world_size))
-        for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--steps", str(steps), "--log-every", "1"],
+        tasks = {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NTASKS": str(world_size),
+                 "SLURM_NTASKS_PER_NODE": str(world_size), "SLURM_TASKS_PER_NODE": str(world_size)}
+        env = {k: v for k, v in torchrun_env(**(slurm(r) if slurm else tasks)).items()
+               if not k.startswith(("LOCAL_", "TORCHELASTIC_", "GROUP_", "ROLE_")) and k != "MASTER_PORT"}
+        env.update(RANK=str(r), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        argv = args if args is not None else ["--steps", str(steps), "--log-every", "1"]
+        procs.append(subprocess.Popen([sys.executable, str(script), *argv],
                                       cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
     outs = []
@@ -70,6 +73,34 @@ def test_the_readme_srun_recipe_runs_without_torchrun():
     procs, outs = retry_on_port_clash(_srun_like)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-1500:] for o in outs)
     assert "world_size=2 " in outs[0] and "backend=gloo" in outs[0] and "final_loss=" in outs[0], outs[0]
+
+
+# what srun --ntasks=2 on one node sets, told two ways: rank 0 with SLURM_NTASKS_PER_NODE (--ntasks-per-node),
+# rank 1 with SLURM_TASKS_PER_NODE's "2(x1)" only (srun --ntasks without --ntasks-per-node)
+SRUN_ONE_NODE = [
+    {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
+     "SLURM_TASKS_PER_NODE": "2"},
+    {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(x1)"},
+]
+EXPORTED_CELL = ("import torch, torch.distributed as dist\nt = torch.ones(1, device=device) * (rank + 1)\n"
+                 "dist.all_reduce(t)\nprint(f'rank {rank} of {world_size}, local {local_rank} of {local_world_size}, '"
+                 "f'{device}, {dist.get_backend()}: sum {t.item():g}')")
+
+
+def test_an_exported_notebook_script_runs_under_srun_without_torchrun(tmp_path):
+    """%ddp export's scripts read srun's variables when torchrun's are absent, as the train script does."""
+    from course_utils.engine.export import write_script
+
+    script = write_script(tmp_path / "exported.py", [("", EXPORTED_CELL)])
+    procs, outs = retry_on_port_clash(lambda port: _srun_like(port, script=script, args=[],
+                                                              slurm=SRUN_ONE_NODE.__getitem__))
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-1500:] for o in outs)
+    for r in (0, 1):
+        assert f"rank {r} of 2, local {r} of 2, cpu, gloo: sum 3" in outs[r].splitlines(), outs[r][-1500:]
+    without = {k: v for k, v in SRUN_ONE_NODE[0].items() if k != "SLURM_LOCALID"}
+    procs, outs = retry_on_port_clash(lambda port: _srun_like(port, world_size=1, script=script, args=[],
+                                                              slurm=lambda r: dict(without, SLURM_NTASKS="1")))
+    assert procs[0].returncode != 0 and "set LOCAL_RANK and LOCAL_WORLD_SIZE" in outs[0], outs[0][-1500:]
 
 
 LOADED_RUNS = int(os.environ.get("TRAIN_SCRIPT_LOADED_RUNS", "2"))  # 20 for the proof run (see the closing note)
