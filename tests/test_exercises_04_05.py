@@ -193,7 +193,7 @@ def test_exercise_4(cluster):
     scaffold = _scaffold("05_manual_gradient_averaging.ipynb", "token_weighted")
     _raises(lambda: check_grad_averaging(scaffold, cluster=cluster, unequal=True), r"NotImplementedError.*exercise 4")
     _raises(lambda: check_grad_averaging(grad_avg.solution_accumulate_and_average, cluster=cluster, unequal=True),
-            r"mean of micro-batch means.*reduction='sum'")
+            r"mean of micro-batch means.*a sample in a small micro-batch counts more")
     _raises(lambda: check_grad_averaging(local_count, cluster=cluster, unequal=True),
             r"divides by its OWN sample count")
     check_grad_averaging(grad_avg.solution_token_weighted, cluster=cluster, unequal=True)
@@ -226,6 +226,30 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+def _article_loop(fix=False, make_optimizer=None):
+    """The lesson's article_loop signature, on the ranks: (first gradient, weights)."""
+    return None, _article_weights(fix, make_optimizer)
+
+
+def _adam_verdict(make_optimizer):
+    """On every rank, as the notebook's exercise-3 cell does: both runs, then the check against a reference Adam.
+    Returns the verdict (None when it passes)."""
+    bad, good = _article_loop(make_optimizer=make_optimizer)[1], _article_loop(True, make_optimizer)[1]
+    try:
+        check_adam_hides_the_bug(bad, good, loop=_article_loop)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def _tiny_sgd(params):
+    return torch.optim.SGD(params, lr=1e-7)
+
+
+def _adagrad(params):
+    return torch.optim.Adagrad(params, lr=1e-3)
+
+
 def test_exercise_3(cluster):
     scaffold = _scaffold("05_manual_gradient_averaging.ipynb", "make_adam")
     with pytest.raises(NotImplementedError, match="exercise 3"):
@@ -243,6 +267,12 @@ def test_exercise_3(cluster):
     with pytest.raises(AssertionError, match="flat weight tensors"):
         check_adam_hides_the_bug(adam_bad, adam_good[:-1])
     check_adam_hides_the_bug(adam_bad, adam_good)
+    for wrong in (_tiny_sgd, _adagrad):      # the review's wrong methods: close runs, but not Adam's
+        bad, good = (cluster.run(_article_weights, fix, wrong)[0] for fix in (False, True))
+        check_adam_hides_the_bug(bad, good)  # without the reference they slip through: 0 < diff < 1e-4
+        verdict = cluster.run(_adam_verdict, wrong)[0]
+        assert verdict and "not Adam's weights" in verdict and "Adagrad" in verdict, verdict
+    assert cluster.run(_adam_verdict, grad_avg.solution_make_adam) == [None] * cluster.world_size
 
 
 # == bench's sentences ================================================================================
@@ -267,9 +297,30 @@ def test_describe_busbw_spread():
             "broadcast": {"time_s": 0.5, "busbw_Bps": 6.0}}
     lines = bench.describe_busbw_spread(rows)
     assert lines[0] == "busbw spans 4.0x, from reduce_scatter (lowest) to broadcast (highest)", lines
-    assert "1.00x the time of all_reduce" in lines[1] and "whole all-reduce" in lines[1], lines
-    rows["reduce_scatter"]["time_s"] = 0.5
-    assert "does not run a whole all-reduce" in bench.describe_busbw_spread(rows)[1]
+    assert "1.00x the time of all_reduce" in lines[1] and "about as long" in lines[1], lines
+    assert "0.50x all_reduce's, near the 0.5" in lines[2], lines
+    rows["reduce_scatter"].update(time_s=1.44, busbw_Bps=3.0 * 0.35)   # the stored run the review quoted
+    lines = bench.describe_busbw_spread(rows)
+    assert "longer than the all-reduce itself" in lines[1] and "below the 0.5" in lines[2], lines
+    assert "about as long" not in " ".join(lines), lines
+    rows["reduce_scatter"].update(time_s=0.5, busbw_Bps=3.0)          # an optimal reduce-scatter (NCCL's)
+    lines = bench.describe_busbw_spread(rows)
+    assert "about half or less" in lines[1] and "near the 1 of a bandwidth-optimal" in lines[2], lines
+
+
+def test_describe_throughput_blames_what_grew():
+    sizes, samples = [1, 2, 4], [512, 1024, 2048]
+    shared = bench.describe_throughput(sizes, samples, [1.0, 1.5, 2.2], [0.0, 0.5, 1.0], cores=2)
+    assert "grew x2.2" in shared[0] and "held back by the shared CPU cores" in shared[1], shared
+    flat = bench.describe_throughput(sizes, samples, [1.0, 1.0, 1.1], [0.0, 0.3, 0.7], cores=8)
+    assert "stayed flat" in flat[0] and "held back by the all-reduce: compute stayed flat" in flat[1], flat
+    assert "compute" not in flat[1].split("held back by")[1].split(":")[0], "a flat compute is not to blame"
+    ideal = bench.describe_throughput(sizes, samples, [1.0, 1.0, 1.0], [0.0, 0.05, 0.1], cores=8)
+    assert "close to the ideal x4" in ideal[1], ideal
+    both = bench.describe_throughput(sizes, samples, [1.0, 2.0, 3.0], [0.0, 2.0, 4.0], cores=1)
+    assert "both by the shared CPU cores" in both[1], both
+    noisy = bench.describe_throughput(sizes, samples, [1.0, 0.7, 0.5], [0.0, 0.1, 0.1], cores=8)
+    assert "disturbed" in noisy[0], noisy
 
 
 def test_a_failed_self_check_shows_the_learners_line_and_the_verdict():

@@ -281,11 +281,32 @@ def test_equal_sizes_are_a_special_case_of_the_token_fix(cluster):
 
 
 def test_mean_of_means_fails_with_the_weights_explained(cluster):
+    from course_utils.checks import grad_avg
+
+    grad_avg._SEEN.clear()
     with pytest.raises(AssertionError) as info:
         check_grad_averaging(right_sum_then_divide, cluster=cluster, unequal=True)
     msg = str(info.value)
     assert "mean of micro-batch means" in msg and "N / (W x K x b)" in msg, msg
-    assert "reduction='sum'" in msg and "all-reduce" in msg, f"the message must say what to do:\n{msg}"
+    assert "reduction='sum'" not in msg and "a hint" in msg, f"the first verdict gives factor and reason only:\n{msg}"
+    with pytest.raises(AssertionError) as info:
+        check_grad_averaging(right_sum_then_divide, cluster=cluster, unequal=True)
+    msg = str(info.value)
+    assert "Hint:" in msg and "reduction='sum'" in msg and "all-reduce" in msg, f"the second says what to do:\n{msg}"
+
+
+@pytest.mark.parametrize("fn, fix", [(no_division_by_world_size, "ReduceOp.AVG"),
+                                     (no_division_by_accum_steps, "divide each micro-batch's loss by accum_steps")])
+def test_first_verdict_names_factor_and_reason_the_second_the_fix(cluster, fn, fix):
+    from course_utils.checks import grad_avg
+
+    grad_avg._SEEN.clear()
+    with pytest.raises(AssertionError) as first:
+        check_grad_averaging(fn, cluster=cluster)
+    with pytest.raises(AssertionError) as second:
+        check_grad_averaging(fn, cluster=cluster)
+    assert "the factor is" in str(first.value) and fix not in str(first.value), str(first.value)
+    assert "Hint: " in str(second.value) and fix in str(second.value).split("Hint: ")[1], str(second.value)
 
 
 def test_a_mean_of_means_without_the_division_by_w_says_both(cluster):

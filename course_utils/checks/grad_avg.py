@@ -190,24 +190,23 @@ def _explain_factor(ratio, world_size, accum_steps, micro_batch_size):
 
     ``accum_steps`` and ``micro_batch_size`` are None when the micro-batches differ in size.
     """
-    names = {
-        (1, 0, 0): "world_size. The all_reduce(SUM) adds up the W ranks' gradients: divide by world_size "
-                   "after it, or use op=dist.ReduceOp.AVG",
-        (-1, 0, 0): "1/world_size. You divided by world_size twice: ReduceOp.AVG already divides",
-        (0, 1, 0): "accum_steps. backward() adds up the gradients of the K micro-batches: divide each "
-                   "micro-batch's loss by accum_steps = len(micro_batches)",
-        (0, -1, 0): "1/accum_steps. You divided by accum_steps twice",
-        (0, 0, 1): "micro_batch_size. The loss is a SUM over samples: use the mean "
-                   "(F.mse_loss(..., reduction='mean'), the default)",
-        (1, 1, 0): "world_size x accum_steps. Neither division is there: divide each micro-batch's loss by "
-                   "accum_steps and the all-reduced gradient by world_size",
+    names = {   # the factor's name and its reason; the fix is kept for a second identical failure (_FIXES)
+        (1, 0, 0): "world_size. The all_reduce(SUM) adds up the W ranks' gradients, and nothing turns that sum "
+                   "into a mean",
+        (-1, 0, 0): "1/world_size. The W ranks' sum was divided by world_size twice",
+        (0, 1, 0): "accum_steps. backward() adds the K micro-batches' gradients into .grad, so the K mean losses "
+                   "became their sum, not their mean",
+        (0, -1, 0): "1/accum_steps. The K micro-batches were divided by accum_steps twice",
+        (0, 0, 1): "micro_batch_size. The loss adds up the samples of a micro-batch instead of averaging them",
+        (1, 1, 0): "world_size x accum_steps. Neither the K micro-batches nor the W ranks are averaged: both are "
+                   "sums",
     }
     if accum_steps is None:  # unequal micro-batches: the global count already divides by everything
         names = {
-            (1, 0, 0): "world_size. The all_reduce(SUM) adds up the W ranks' gradients, and your loss was not "
-                       "divided by the number of samples in the WHOLE global batch (all-reduce the count)",
-            (-1, 0, 0): "1/world_size. Dividing by the global sample count already averages over every rank: "
-                        "all-reduce the gradients with SUM, and do not divide by world_size (nor use AVG)",
+            (1, 0, 0): "world_size. The all_reduce(SUM) adds up the W ranks' gradients, and the loss was divided "
+                       "by a count that covers one rank only",
+            (-1, 0, 0): "1/world_size. Dividing by the global sample count already averages over every rank, and "
+                        "the sum over ranks was divided by world_size on top",
         }
     dims = [("world_size", world_size), ("accum_steps", accum_steps), ("micro_batch_size", micro_batch_size)]
     for exps, text in names.items():
@@ -221,6 +220,32 @@ def _explain_factor(ratio, world_size, accum_steps, micro_batch_size):
             parts = [f"{n}{'' if e == 1 else '^-1'}" for (n, _), e in zip(usable, exps) if e]
             return factor, " x ".join(parts)
     return None
+
+
+_FIXES = {   # the fix for each named factor, shown only when the same verdict comes a second time
+    "world_size.": "divide the all-reduced gradient by world_size, or all-reduce with op=dist.ReduceOp.AVG",
+    "1/world_size.": "divide by world_size once: ReduceOp.AVG already does it, and so does a global sample count",
+    "accum_steps.": "divide each micro-batch's loss by accum_steps = len(micro_batches) before backward()",
+    "1/accum_steps.": "divide each micro-batch's loss by accum_steps once",
+    "micro_batch_size.": "use the mean loss, F.mse_loss(model(x), y) (reduction='mean', the default)",
+    "world_size x accum_steps.": "divide each micro-batch's loss by accum_steps and the all-reduced gradient by "
+                                 "world_size",
+    "mean of micro-batch means": "sum the per-sample losses (reduction='sum') and divide by N, the sample count of "
+                                 "the WHOLE global batch (all-reduce this rank's count to get it)",
+    "OWN sample count": "divide by N, the count of the WHOLE global batch: all-reduce this rank's count first",
+}
+_SEEN = {}   # verdict -> how many times it was given in this process
+
+
+def _with_hint(problem):
+    """The verdict, plus the fix when the same verdict is given a second time (the first says factor and reason)."""
+    fixes = [fix for key, fix in _FIXES.items() if f"the factor is {key}" in problem or f" {key} " in f" {problem} "]
+    if not fixes:
+        return problem
+    _SEEN[problem] = _SEEN.get(problem, 0) + 1
+    if _SEEN[problem] == 1:
+        return problem + " (The same verdict a second time comes with a hint.)"
+    return problem + " Hint: " + fixes[0] + "."
 
 
 def _size_word(factor):
@@ -310,15 +335,13 @@ def _compare(rank_grads, ref, case, wrong=None):
                         f"divided by accum_steps, then averaged over the ranks. With micro-batches of different "
                         f"sizes this weights each sample by N / (W x K x b) instead of 1 (N = {n_global} samples "
                         f"in all, b the size of its micro-batch): from {weights[0]:.3g}x to {weights[-1]:.3g}x "
-                        "here. Sum the per-sample losses (reduction='sum') and divide by N, the sample count of "
-                        "the WHOLE global batch (all-reduce this rank's count to get it)." + extra)
+                        "here: a sample in a small micro-batch counts more than one in a large one." + extra)
             counts = [sum(row) for row in sizes]
             lo, hi = n_global / (world_size * max(counts)), n_global / (world_size * min(counts))
             return (f"Every rank's gradient divides by its OWN sample count {where}, then averages the ranks. "
                     f"The ranks hold different numbers of samples ({', '.join(map(str, counts))}), so a sample "
-                    f"on a small rank counts more: by N / (W x n_rank), from {lo:.3g}x to {hi:.3g}x here. "
-                    f"Divide by N = {n_global}, the count of the WHOLE global batch: all-reduce this rank's count "
-                    "first." + extra)
+                    f"on a small rank counts more: by N / (W x n_rank), from {lo:.3g}x to {hi:.3g}x here "
+                    f"(N = {n_global} samples in all)." + extra)
 
     # is it one parameter, or all of them by the same factor?
     per_param = {name: describe(g.flatten(), ref[name].flatten()) for name, g in rank_grads[0].items()
@@ -390,7 +413,7 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
         wrong = _wrong_weightings(case) if unequal else None
         problem = _compare([results[r][i]["grads"] for r in range(ws)], _reference(case), case, wrong)
         if problem:
-            raise _fail(problem)
+            raise _fail(_with_hint(problem))
     if collectives is not None:
         for i, case in enumerate(cases):
             for r in range(ws):
@@ -406,10 +429,13 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
 
 
 # -- exercise 3: Adam hides the bug -----------------------------------------------------------------
-def check_adam_hides_the_bug(bad, good, sgd_difference=None):
+def check_adam_hides_the_bug(bad, good, sgd_difference=None, loop=None):
     """05's exercise 3: ``bad``/``good`` are the flat weights after ``article_loop()`` / ``article_loop(fix=True)``
     with Adam (lr=1e-3). They must differ, by less than 1e-4: Adam's step m / (sqrt(v) + eps) hardly changes
     when every gradient is W times larger. ``sgd_difference``: the same difference with SGD, if measured.
+    ``loop``: the lesson's ``article_loop``; when given (on the ranks, where it runs), both weights must equal
+    a reference run of the same loops with ``torch.optim.Adam(lr=1e-3)``, so that another optimizer that also
+    keeps the two runs close (SGD with a tiny learning rate, Adagrad) does not pass.
     Introduced in 05_manual_gradient_averaging."""
     __tracebackhide__ = True
     if bad is None or good is None:
@@ -427,6 +453,22 @@ def check_adam_hides_the_bug(bad, good, sgd_difference=None):
         raise _fail(f"The weights differ by {diff:.3g}{hint}: that is the size of the W-times-too-large "
                     "gradient under SGD. Build the optimizer as torch.optim.Adam(model.parameters(), lr=1e-3) "
                     "in both runs.")
+    if loop is not None:
+        _, ref_bad = loop(make_optimizer=solution_make_adam)
+        _, ref_good = loop(fix=True, make_optimizer=solution_make_adam)
+
+        def near(a, b):
+            return torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+
+        if near(bad, ref_good) and near(good, ref_bad):
+            raise _fail("bad and good are swapped: bad is article_loop() as the article wrote it, good is "
+                        "article_loop(fix=True).")
+        if not (near(bad, ref_bad) and near(good, ref_good)):
+            off = max((bad - ref_bad).abs().max().item(), (good - ref_good).abs().max().item())
+            raise _fail(f"The two runs stay close ({diff:.3g} apart), but these are not Adam's weights: they are "
+                        f"{off:.3g} away from the same loops run with torch.optim.Adam(params, lr=1e-3). A tiny "
+                        "learning rate, or another optimizer that rescales the step (Adagrad, RMSprop), also keeps "
+                        "the runs close, for another reason: the exercise is about Adam's m / (sqrt(v) + eps).")
 
 
 # -- the course's solutions (try your own first) ---------------------------------------------------
