@@ -276,7 +276,7 @@ def relative_error(approx, exact):
     return diff / denom if denom > 0 else diff
 
 
-# -- exercises of 09_compression: the course's solutions (out of sight) and the self-checks ---------
+# -- exercises of 09_compression: the course's solutions (the self-checks are in checks.comm_hook) --
 def powersgd_numbers(model, rank, min_compression_rate=2.0):
     """``(uncompressed, compressed)``: how many numbers torch's ``powerSGD_hook`` all-reduces per
     compressed step for ``model``'s gradients in one bucket. Tensors of one dimension, and matrices
@@ -306,81 +306,12 @@ def fp16_powersgd_bytes_solution(model, rank=1):
     return 2 * (raw + compressed)
 
 
-def check_fp16_powersgd_bytes(predicted, measured, model, rank=1):
-    """Self-check of 09_compression exercise 1: ``predicted`` bytes per compressed step of
-    ``fp16_compress_wrapper(powerSGD_hook)`` at ``rank``, against the bytes ``measured`` by a
-    ``ByteCounter``. Raises ``AssertionError`` with a hint a learner can act on; quiet when right."""
-    __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide this frame)
-    raw, compressed = powersgd_numbers(model, rank)
-    right = 2 * (raw + compressed)
-    if measured != right:
-        raise AssertionError(f"the counter measured {measured} bytes per compressed step, but PowerSGD's rule "
-                             f"gives {right}: was the hook fp16_compress_wrapper(powerSGD_hook) at rank {rank}, "
-                             "measured after the warm-up steps?")
-    if predicted is None:
-        raise AssertionError("predicted_bytes is None: put your prediction (a whole number of bytes per "
-                             "compressed step) in predicted_bytes, then run the cell again.")
-    if isinstance(predicted, bool) or not isinstance(predicted, int):
-        raise AssertionError(f"predicted_bytes = {predicted!r}: give a whole number of bytes, e.g. 1234.")
-    if predicted == right:
-        return
-    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    hints = {
-        4 * (raw + compressed): "that is PowerSGD's count in float32. fp16_compress_wrapper casts the bucket to "
-                                "float16 before PowerSGD sees it: how many bytes is each number then?",
-        2 * total: "that is the whole gradient in float16. The wrapper still runs PowerSGD inside it, which "
-                   "sends low-rank factors for the large matrix, not the matrix itself.",
-        4 * total: "that is the uncompressed float32 gradient: both the wrapper and PowerSGD shrink it.",
-        2 * compressed: "you counted P and Q only. The tensors PowerSGD does not compress (the biases and the "
-                        "matrices too small to be worth it) are all-reduced too.",
-        2 * raw: "you counted the uncompressed tensors only: add P and Q, (m + n) x r numbers for each "
-                 "compressed m x n matrix.",
-    }
-    raise AssertionError(f"predicted_bytes = {predicted} is not what was sent. " + hints.get(
-        predicted, "Count the numbers PowerSGD all-reduces per compressed step (the tensors it leaves alone, "
-                   "then P and Q: (m + n) x r for each compressed m x n matrix) and multiply by the bytes per "
-                   "number after the wrapper's cast."))
-
-
 def fp16_tightest_rtol():
     """Exercise 2's solution: float16 keeps 11 significant bits, so each number rounds to within
     2**-11 (about 4.9e-4) of itself; the tightest power of ten above that is 1e-3."""
     import math
 
     return 10.0 ** math.ceil(math.log10(2.0 ** -11))
-
-
-def check_tightest_rtol(rtol, hook=None, **check_kwargs):
-    """Self-check of 09_compression exercise 2: is ``rtol`` the tightest power of ten for which
-    ``check_comm_hook(hook, rtol=rtol)`` passes (``hook`` defaults to ``fp16_hook``)?
-
-    Runs the checker at ``rtol`` and at ``rtol / 10``. ``check_kwargs`` go to ``check_comm_hook``
-    (e.g. ``cluster=``). Raises ``AssertionError`` with what is wrong; quiet when right."""
-    __tracebackhide__ = True  # noqa: F841
-    import math
-
-    from course_utils.checks.comm_hook import check_comm_hook
-
-    hook = fp16_hook if hook is None else hook
-    if rtol is None:
-        raise AssertionError("rtol is None: set it to the tightest power of ten (1e-1, 1e-2, ...) for which "
-                             f"check_comm_hook({hook.__name__}, rtol=rtol) passes, then run the cell again.")
-    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol > 0 or not math.isclose(
-            10.0 ** round(math.log10(rtol)), rtol, rel_tol=1e-9):
-        raise AssertionError(f"rtol = {rtol!r} is not a power of ten: the question asks for one of 1e-1, 1e-2, "
-                             "1e-3, ...")
-    try:
-        check_comm_hook(hook, rtol=rtol, quiet=True, **check_kwargs)
-    except AssertionError:
-        raise AssertionError(
-            f"rtol={rtol:g} is too tight: check_comm_hook rejects {hook.__name__} with it. How large is float16's "
-            "rounding error relative to the number it rounds (11 significant bits)? Loosen it.") from None
-    try:
-        check_comm_hook(hook, rtol=rtol / 10, quiet=True, **check_kwargs)
-    except AssertionError:
-        return
-    raise AssertionError(f"rtol={rtol:g} passes, but so does rtol={rtol / 10:g}: the question asks for the "
-                         "tightest power of ten. Tighten it.")
 
 
 # -- the course's solutions of 08's exercises (used when USE_SOLUTION = True) -----------------

@@ -132,7 +132,9 @@ def reordered(cluster2):
 def test_bucket0_solution_is_what_ddp_builds(reordered, capsys):
     layout, registration = reordered
     check_bucket0_prediction(REORDERED_BUCKET0, layout, registration)
-    assert "self-check passed: bucket 0 holds head.bias, head.weight" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "self-check passed: predicted_bucket0 is the bucket 0 DDP rebuilt (4 tensors, in order)" in out, out
+    assert "head.bias" not in out, "the stored output must not give the answer away"
 
 
 @pytest.mark.parametrize("predicted, reason", [

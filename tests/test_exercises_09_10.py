@@ -8,13 +8,13 @@ runs them: on 2 gloo ranks (``%%ddp`` cells) or in this process.
     .venv/bin/python -m pytest tests/test_exercises_09_10.py -p no:randomly
 """
 import functools
-import types
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from course_utils import DistributedError, costmodel, hooks
+from course_utils.checks.comm_hook import check_fp16_powersgd_bytes, check_tightest_rtol
 from course_utils.costmodel import Calibration
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -186,7 +186,9 @@ def test_09_exercise_1_solution_passes(cluster, capsys):
     measure_09(cluster)
     run_09_exercise_1(cluster, None)
     run_09_exercise_1(cluster, "predicted_bytes = 2 * (257 + (128 + 32) * 1)")
-    assert "exercise 1: right, 834 bytes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "exercise 1: the course's answer passed" in out and "exercise 1: right" in out, out
+    assert "834" not in out, "the stored output must not give the answer away"
 
 
 @pytest.mark.parametrize("answer, reason", [
@@ -208,7 +210,7 @@ def test_09_exercise_1_checker_notices_a_wrong_measurement():
     from course_utils.models import make_model
 
     with pytest.raises(AssertionError, match="the counter measured 1668 bytes"):
-        hooks.check_fp16_powersgd_bytes(834, 1668, make_model(0, d_in=32, d_hidden=128))
+        check_fp16_powersgd_bytes(834, 1668, make_model(0, d_in=32, d_hidden=128))
 
 
 # -- 09_compression, exercise 2: the tightest power-of-ten rtol for fp16_hook --------------------------------
@@ -216,9 +218,11 @@ def run_09_exercise_2(cluster, rtol_line):
     source = cell("09_compression.ipynb", "check_tightest_rtol")
     if rtol_line is not None:
         source = learner(source, rtol=("rtol = None", rtol_line))
-    shim = types.SimpleNamespace(fp16_hook=hooks.fp16_hook, fp16_tightest_rtol=hooks.fp16_tightest_rtol,
-                                 check_tightest_rtol=functools.partial(hooks.check_tightest_rtol, cluster=cluster))
-    exec(compile(source, "exercise_2", "exec"), {"hooks": shim})
+    imported = "from course_utils.checks import check_tightest_rtol\n"
+    assert imported in source, "the cell imports its self-check from course_utils.checks"
+    source = source.replace(imported, "")   # the test's own cluster instead: partial(..., cluster=cluster)
+    exec(compile(source, "exercise_2", "exec"),
+         {"hooks": hooks, "check_tightest_rtol": functools.partial(check_tightest_rtol, cluster=cluster)})
 
 
 def test_09_exercise_2_solution_passes(cluster):

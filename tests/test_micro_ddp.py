@@ -454,3 +454,46 @@ def test_piece_checkers_explain_the_classic_mistakes(cluster):
     assert v["blocking"] and "async_op=True" in v["blocking"], v["blocking"]
     assert v["params_only"] and "buffer" in v["params_only"], v["params_only"]
     assert v["stub"] and "NotImplementedError: write broadcast_state" in v["stub"], v["stub"]
+
+
+def _powersgd_warmup_across_the_rebuild(warmup_steps):
+    import torch
+    import torch.distributed as dist
+
+    from course_utils.micro_ddp import MicroDDP, PowerSGD
+    from course_utils.models import Reordered
+
+    torch.manual_seed(0)
+    comp = PowerSGD(rank=1, warmup_steps=warmup_steps)
+    # buckets of a weight and a bias: the rebuild changes which parameter leads each bucket
+    model = MicroDDP(Reordered(d_in=16, d_hidden=32, n_blocks=2), bucket_cap_mb=6500 / 2**20, compressor=comp)
+    exact_steps = []
+    for step in range(warmup_steps + 2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        ref = Reordered(d_in=16, d_hidden=32, n_blocks=2)
+        ref.load_state_dict(model.module.state_dict())
+        ref(x).pow(2).mean().backward()
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        exact = True
+        for p, q in zip(model.parameters(), ref.parameters()):
+            avg = q.grad.clone()
+            dist.all_reduce(avg)
+            exact &= torch.allclose(p.grad, avg / dist.get_world_size(), rtol=0, atol=1e-6)
+        exact_steps.append(bool(exact))
+    state = comp.state_dict()
+    on_cpu = all(t.device.type == "cpu" for part in ("errors", "qs") for t in state[part].values())
+    names = sorted(n for n, _ in model.module.named_parameters())
+    counted = state["calls"] == {n: warmup_steps + 2 for n in names}
+    return exact_steps, model._rebuilt, on_cpu, counted
+
+
+def test_powersgd_warmup_counts_steps_not_buckets(cluster):
+    """warmup_steps plain all-reduces, then compression, although the rebuild after step 0 changes which parameter
+    leads each bucket (the count is kept per parameter); the checkpointed state is on the CPU."""
+    exact_steps, rebuilt, on_cpu, counted = cluster.run(_powersgd_warmup_across_the_rebuild, 2)[0]
+    assert rebuilt, "the buckets of Reordered must have been rebuilt after the first backward"
+    assert exact_steps == [True, True, False, False], \
+        f"2 warm-up steps exact, then compressed (not exact): {exact_steps}"
+    assert on_cpu, "PowerSGD.state_dict() must hold CPU tensors (a checkpoint loads on any device)"
+    assert counted, "reductions are counted per parameter (a bucket's first name changes at the rebuild)"

@@ -1,11 +1,13 @@
 """``check_comm_hook``: does a DDP comm hook produce DDP's averaged gradients?
 
-Introduced in 08_comm_hooks. Called from the notebook process; the ranks train a small model
-twice, once with DDP's built-in all-reduce and once with the hook, and the notebook compares.
+Introduced in 08_comm_hooks (``check_fp16_powersgd_bytes`` and ``check_tightest_rtol``: 09_compression's
+exercises). This module imports ``course_utils.hooks``, never the other way round. Called from the notebook
+process; the ranks train a small model twice, once with DDP's built-in all-reduce and once with the hook,
+and the notebook compares.
 """
 import math
 
-__all__ = ["check_comm_hook", "check_fp16_wrapper"]
+__all__ = ["check_comm_hook", "check_fp16_wrapper", "check_fp16_powersgd_bytes", "check_tightest_rtol"]
 
 _CLUSTERS = {}  # world_size -> Cluster started by this checker, reused across calls
 
@@ -284,3 +286,74 @@ def check_fp16_wrapper(wrap, rtol=1e-3, *, world_size=None, cluster=None, timeou
                              f"({2 * n}). Does the wrapper issue collectives of its own?")
     print(f"check_fp16_wrapper: {name} averages like DDP (rtol={rtol:g}) and sends {2 * n} bytes per step for "
           f"{n} gradients: 2 per gradient, half of float32")
+
+
+# -- self-checks of 09_compression's exercises (the solutions live in course_utils.hooks) -----------
+
+def check_fp16_powersgd_bytes(predicted, measured, model, rank=1):
+    """Self-check of 09_compression exercise 1: ``predicted`` bytes per compressed step of
+    ``fp16_compress_wrapper(powerSGD_hook)`` at ``rank``, against the bytes ``measured`` by a
+    ``ByteCounter``. Raises ``AssertionError`` with a hint a learner can act on; quiet when right."""
+    __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide this frame)
+    from course_utils.hooks import powersgd_numbers
+
+    raw, compressed = powersgd_numbers(model, rank)
+    right = 2 * (raw + compressed)
+    if measured != right:
+        raise AssertionError(f"the counter measured {measured} bytes per compressed step, but PowerSGD's rule "
+                             f"gives {right}: was the hook fp16_compress_wrapper(powerSGD_hook) at rank {rank}, "
+                             "measured after the warm-up steps?")
+    if predicted is None:
+        raise AssertionError("predicted_bytes is None: put your prediction (a whole number of bytes per "
+                             "compressed step) in predicted_bytes, then run the cell again.")
+    if isinstance(predicted, bool) or not isinstance(predicted, int):
+        raise AssertionError(f"predicted_bytes = {predicted!r}: give a whole number of bytes, e.g. 1234.")
+    if predicted == right:
+        return
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    hints = {
+        4 * (raw + compressed): "that is PowerSGD's count in float32. fp16_compress_wrapper casts the bucket to "
+                                "float16 before PowerSGD sees it: how many bytes is each number then?",
+        2 * total: "that is the whole gradient in float16. The wrapper still runs PowerSGD inside it, which "
+                   "sends low-rank factors for the large matrix, not the matrix itself.",
+        4 * total: "that is the uncompressed float32 gradient: both the wrapper and PowerSGD shrink it.",
+        2 * compressed: "you counted P and Q only. The tensors PowerSGD does not compress (the biases and the "
+                        "matrices too small to be worth it) are all-reduced too.",
+        2 * raw: "you counted the uncompressed tensors only: add P and Q, (m + n) x r numbers for each "
+                 "compressed m x n matrix.",
+    }
+    raise AssertionError(f"predicted_bytes = {predicted} is not what was sent. " + hints.get(
+        predicted, "Count the numbers PowerSGD all-reduces per compressed step (the tensors it leaves alone, "
+                   "then P and Q: (m + n) x r for each compressed m x n matrix) and multiply by the bytes per "
+                   "number after the wrapper's cast."))
+
+
+def check_tightest_rtol(rtol, hook=None, **check_kwargs):
+    """Self-check of 09_compression exercise 2: is ``rtol`` the tightest power of ten for which
+    ``check_comm_hook(hook, rtol=rtol)`` passes (``hook`` defaults to ``fp16_hook``)?
+
+    Runs the checker at ``rtol`` and at ``rtol / 10``. ``check_kwargs`` go to ``check_comm_hook``
+    (e.g. ``cluster=``). Raises ``AssertionError`` with what is wrong; quiet when right."""
+    __tracebackhide__ = True  # noqa: F841
+    from course_utils.hooks import fp16_hook
+
+    hook = fp16_hook if hook is None else hook
+    if rtol is None:
+        raise AssertionError("rtol is None: set it to the tightest power of ten (1e-1, 1e-2, ...) for which "
+                             f"check_comm_hook({hook.__name__}, rtol=rtol) passes, then run the cell again.")
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol > 0 or not math.isclose(
+            10.0 ** round(math.log10(rtol)), rtol, rel_tol=1e-9):
+        raise AssertionError(f"rtol = {rtol!r} is not a power of ten: the question asks for one of 1e-1, 1e-2, "
+                             "1e-3, ...")
+    try:
+        check_comm_hook(hook, rtol=rtol, quiet=True, **check_kwargs)
+    except AssertionError:
+        raise AssertionError(
+            f"rtol={rtol:g} is too tight: check_comm_hook rejects {hook.__name__} with it. How large is float16's "
+            "rounding error relative to the number it rounds (11 significant bits)? Loosen it.") from None
+    try:
+        check_comm_hook(hook, rtol=rtol / 10, quiet=True, **check_kwargs)
+    except AssertionError:
+        return
+    raise AssertionError(f"rtol={rtol:g} passes, but so does rtol={rtol / 10:g}: the question asks for the "
+                         "tightest power of ten. Tighten it.")
