@@ -24,7 +24,7 @@ NOTEBOOKS ?= notebooks
 # torch.backends.cpu.get_cpu_capability() == "DEFAULT", MKL_VERBOSE "SSE4.2", oneDNN "isa:Intel SSE4.1".
 BASELINE_CPU := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 
-.PHONY: lab test test-baseline-cpu notebooks bench clean
+.PHONY: lab test test-baseline-cpu test-gpu notebooks bench clean
 
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV): $(TORCH_PIN) from $(or $(TORCH_INDEX_URL),PyPI) and the course's packages, a few minutes the first time"
@@ -47,6 +47,14 @@ test: $(STAMP)
 test-baseline-cpu: $(STAMP)
 	cache=$$(mktemp -d) && $(BASELINE_CPU) MICRO_DDP_CACHE=$$cache $(BIN)/python -m pytest $(NOTEBOOKS); \
 		rc=$$?; rm -rf "$$cache"; exit $$rc
+
+# On a machine with one or more GPUs (and a CUDA build of torch in $(VENV)): scripts/gpu_check.py starts ranks
+# with the course's engine on NCCL and on gloo with CUDA tensors (MicroDDP, MicroFSDP, bf16_compress_hook, the
+# lessons' NCCL-capable cells), prints a table of what ran and what passed, and fails if a check failed. A few
+# minutes on one GPU. Without CUDA it says so and exits 0 (every row skipped). GPU_CHECK_ARGS=--quick skips the
+# lessons' cells; GPU_CHECK_ARGS="--lessons 02 11" runs only those lessons' cells.
+test-gpu: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 notebooks: $(STAMP)  # re-execute every notebook in place (stored outputs)
 	$(BIN)/python scripts/execute_notebooks.py

@@ -1,0 +1,585 @@
+"""The course on this machine's GPUs: one prepared check, for a machine with one or more CUDA devices.
+
+    make test-gpu                                  # the same as the next line, with the course's .venv
+    python scripts/gpu_check.py                    # every check; a few minutes on one GPU
+    python scripts/gpu_check.py --quick            # without running the lessons' cells
+    python scripts/gpu_check.py --lessons 02 11    # only these lessons' cells (and every other check)
+
+CI runs on the CPU with gloo; this is what runs where a GPU is at hand. It starts ranks with the course's
+own engine (``course_utils.Cluster``, what ``%%ddp`` uses) and checks, then prints one table of what ran
+and what passed:
+
+- the engine on NCCL at world size 1 (``device`` is ``cuda:0``, a collective runs, an error in a cell is
+  reported and the cluster goes on, a rank stuck waiting on the GPU is released or replaced);
+- two ranks on one GPU: the engine refuses NCCL (NCCL cannot put two ranks on one device) and gloo serves
+  CUDA tensors instead, for each collective it supports (all_reduce and broadcast must work; the others
+  are reported as gloo answers them); with 2+ GPUs, NCCL at world size 2 as well;
+- MicroDDP (course_utils/micro_ddp.py) on CUDA against torch DDP; MicroFSDP (course_utils/fsdp.py) on CUDA
+  against the unsharded model, when that module exists ("not available" otherwise);
+- DDP's built-in ``bf16_compress_hook`` on NCCL (it registers on a CUDA build; the gradients match fp32 to
+  bf16's precision);
+- every lesson's ``%%ddp`` cells that can run on NCCL (no ``--backend gloo`` in force), in order, on NCCL at
+  world size 1. A lesson stops at its first error: an error about devices (a CPU tensor on NCCL, tensors on
+  two devices) fails the check; any other error (a cell written for several ranks, a name from a notebook
+  cell that runs outside the ranks) is reported, not failed.
+
+Exit code 0 when every check passed (or was skipped), 1 when one failed. Without CUDA it says so and exits 0
+with every row "skipped (no CUDA)".
+"""
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PASSED, FAILED, NO_CUDA, NOT_AVAILABLE, INFO = "passed", "FAILED", "skipped (no CUDA)", "not available", "info"
+DEVICE_ERRORS = re.compile(r"device|cuda|cpu tensor|nccl|backend type associated|Tensors must be", re.I)
+
+# (area, name) of every row, in the order they run: what the no-CUDA path reports as skipped
+PLAN = [
+    ("environment", "GPUs, CUDA, NCCL, bf16"),
+    ("engine", "NCCL at world size 1: device, all_reduce"),
+    ("engine", "an error in a cell on NCCL: reported, cluster goes on"),
+    ("engine", "a rank stuck waiting on the GPU: released or replaced"),
+    ("engine", "2 ranks on 1 GPU: NCCL refused / NCCL at world size 2"),
+    ("gloo + CUDA", "collectives on CUDA tensors, 2 ranks sharing one GPU"),
+    ("MicroDDP", "on CUDA (gloo, 2 ranks on one GPU) == torch DDP"),
+    ("MicroDDP", "on NCCL == torch DDP"),
+    ("MicroFSDP", "on NCCL == the unsharded model"),
+    ("DDP hooks", "bf16_compress_hook on NCCL"),
+    ("DDP hooks", "bf16_compress_hook with gloo on CUDA tensors"),
+    ("lessons", "%%ddp cells that can run on NCCL: NCCL, world size min(-n, GPUs)"),
+    ("lessons", "the same cells at their -n, gloo, every rank's device = cuda:0"),
+]
+
+
+# ---- running cells ------------------------------------------------------------------------------------------
+
+class CellFailed(Exception):
+    """A cell raised on the ranks; ``output`` is what they printed."""
+
+    def __init__(self, error, output):
+        self.error, self.output = error, output
+        super().__init__(f"{type(error).__name__}: {first_line(error)}")
+
+
+def first_line(exc):
+    text = str(exc).strip()
+    for line in reversed(text.splitlines()):  # the last line of a relayed traceback names the error
+        if re.match(r"^\s*(\[rank \d+\]\s*)?\w+(Error|Exception|Timeout)\b", line):
+            return line.strip()[:300]
+    return (text.splitlines() or [""])[0][:300]
+
+
+def run(cluster, source, timeout=120):
+    """``cluster.run_cell(source)`` with the ranks' output captured; raises CellFailed."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            return cluster.run_cell(textwrap.dedent(source), timeout=timeout)
+    except Exception as exc:  # noqa: BLE001  (DistributedError, DistributedTimeout, CellSyntaxError)
+        raise CellFailed(exc, out.getvalue()) from exc
+
+
+def quiet(fn, *args, **kwargs):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        return fn(*args, **kwargs)
+
+
+# ---- the checks ---------------------------------------------------------------------------------------------
+# Each check gets the context (gpu count, clusters) and returns (status, detail) or a list of rows; an exception
+# is a failure, reported with its first line.
+
+class Context:
+    def __init__(self, gpus, lessons=None, quick=False):
+        self.gpus, self.lessons, self.quick = gpus, lessons, quick
+        self._clusters = {}
+
+    def cluster(self, world_size, backend, timeout=120):
+        from course_utils import Cluster
+
+        key = (world_size, backend)
+        c = self._clusters.get(key)
+        if c is None or not c.alive:
+            c = self._clusters[key] = quiet(Cluster, world_size=world_size, backend=backend, timeout=timeout)
+        return c
+
+    def close(self):
+        for c in self._clusters.values():
+            with contextlib.suppress(Exception):
+                quiet(c.shutdown)
+        self._clusters.clear()
+
+
+def check_environment(ctx):
+    info = run(ctx.cluster(1, "nccl"), """
+        import torch, torch.distributed as dist
+        props = torch.cuda.get_device_properties(device)
+        {"gpus": torch.cuda.device_count(), "name": props.name, "cc": f"{props.major}.{props.minor}",
+         "memory_gib": round(props.total_memory / 2**30), "cuda": torch.version.cuda, "torch": torch.__version__,
+         "nccl": ".".join(map(str, torch.cuda.nccl.version())), "bf16": torch.cuda.is_bf16_supported()}
+    """)[0]
+    bf16 = "bf16 in hardware" if info["bf16"] and float(info["cc"]) >= 8.0 else \
+        "no bf16 in hardware (compute capability < 8.0): bf16 runs emulated, slowly"
+    return INFO, (f"{info['gpus']} x {info['name']} (cc {info['cc']}, {info['memory_gib']} GiB); "
+                  f"torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}; {bf16}")
+
+
+def check_nccl_world_1(ctx):
+    got = run(ctx.cluster(1, "nccl"), """
+        import torch, torch.distributed as dist
+        t = torch.ones(3, device=device) * (rank + 2)
+        dist.all_reduce(t)
+        (dist.get_backend(), str(device), t.device.type, t.tolist())
+    """)[0]
+    assert got == ("nccl", "cuda:0", "cuda", [2.0, 2.0, 2.0]), got
+    return PASSED, "backend nccl, device cuda:0, all_reduce of a CUDA tensor"
+
+
+def check_error_on_nccl(ctx):
+    from course_utils import DistributedError
+
+    c = ctx.cluster(1, "nccl")
+    run(c, "kept = torch.arange(3, device=device)")
+    try:
+        run(c, "bad = torch.ones(2, device=device) + torch.ones(3, device=device)")
+    except CellFailed as exc:
+        assert isinstance(exc.error, DistributedError), f"expected DistributedError, got {exc}"
+        shown = str(exc.error)
+    else:
+        raise AssertionError("a cell that raises on an NCCL rank did not raise DistributedError")
+    assert "size of tensor a (2) must match" in shown, f"the report does not show the rank's error: {shown[-400:]}"
+    after = run(c, "kept.sum().item()")[0]
+    assert after == 3, after
+    return PASSED, "DistributedError names the rank's RuntimeError; the next cell ran with its names kept"
+
+
+def check_stuck_on_gpu(ctx):
+    from course_utils import DistributedTimeout
+
+    c = ctx.cluster(1, "nccl")
+    run(c, "marker = 41")
+    t0 = time.monotonic()
+    try:  # about 20 s of GPU spin at 2 GHz, then the host waits for it: not interruptible by SIGINT
+        run(c, "torch.cuda._sleep(40_000_000_000)\ntorch.cuda.synchronize()", timeout=3)
+    except CellFailed as exc:
+        assert isinstance(exc.error, DistributedTimeout), f"expected DistributedTimeout, got {exc}"
+    else:
+        raise AssertionError("a cell waiting 20 s on the GPU finished within its 3 s timeout")
+    raised = time.monotonic() - t0
+    t1 = time.monotonic()
+    kept = run(c, "'marker' in globals()", timeout=120)[0]
+    recovered = time.monotonic() - t1
+    names = "names kept (the rank was released)" if kept else "names lost (the ranks were replaced)"
+    return PASSED, f"DistributedTimeout after {raised:.1f} s; next cell ran {recovered:.1f} s later; {names}"
+
+
+def check_two_ranks(ctx):
+    from course_utils import Cluster
+
+    if ctx.gpus < 2:
+        try:
+            quiet(Cluster, world_size=2, backend="nccl")
+        except ValueError as exc:
+            assert "one GPU per rank" in str(exc), exc
+            return PASSED, f"refused: {str(exc).splitlines()[0][:120]}"
+        raise AssertionError("Cluster(world_size=2, backend='nccl') started on one GPU")
+    got = run(ctx.cluster(2, "nccl"), """
+        import torch, torch.distributed as dist
+        x = torch.arange(4., device=device) + 10 * rank
+        s = x.clone(); dist.all_reduce(s)
+        g = [torch.empty_like(x) for _ in range(world_size)]; dist.all_gather(g, x)
+        out = torch.empty(2, device=device); dist.reduce_scatter_tensor(out, x)
+        b = x.clone(); dist.broadcast(b, src=0)
+        buf = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, (rank + 1) % world_size), dist.P2POp(dist.irecv, buf, (rank - 1) % world_size)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        (s.tolist(), torch.cat(g).tolist(), out.tolist(), b.tolist(), buf.tolist(), str(device))
+    """)
+    for r, (s, g, out, b, buf, dev) in enumerate(got):
+        assert s == [10.0, 12.0, 14.0, 16.0] and dev == f"cuda:{r}", (r, s, dev)
+        assert g == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0] and b == [0.0, 1.0, 2.0, 3.0], (g, b)
+        assert out == [10.0, 12.0] if r == 0 else out == [14.0, 16.0], out
+        assert buf == [10.0 * ((r - 1) % 2) + i for i in range(4)], buf
+    return PASSED, "NCCL at world size 2: all_reduce, all_gather, reduce_scatter_tensor, broadcast, send/recv"
+
+
+GLOO_CUDA_COLLECTIVES = """
+import torch, torch.distributed as dist
+dev = torch.device("cuda", local_rank % torch.cuda.device_count())   # both ranks may share cuda:0
+results = {}
+
+def attempt(name, fn, want):
+    try:
+        got = fn()
+        results[name] = "ok" if got == want else f"wrong result {got} (expected {want})"
+    except Exception as exc:  # noqa: BLE001
+        results[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+
+def all_reduce():
+    t = torch.ones(2, device=dev) * (rank + 1); dist.all_reduce(t); return (t.device.type, t.tolist())
+
+def broadcast():
+    t = torch.full((2,), float(rank), device=dev); dist.broadcast(t, src=1); return (t.device.type, t.tolist())
+
+def all_gather():
+    t = torch.full((1,), float(rank), device=dev); out = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(out, t); return [o.item() for o in out]
+
+def reduce_scatter():
+    t = torch.arange(2., device=dev); out = torch.empty(1, device=dev)
+    dist.reduce_scatter_tensor(out, t); return out.item()
+
+def reduce():
+    t = torch.ones(1, device=dev); dist.reduce(t, dst=0); return t.item() if rank == 0 else 1.0
+
+attempt("all_reduce", all_reduce, ("cuda", [3.0, 3.0]))
+attempt("broadcast", broadcast, ("cuda", [1.0, 1.0]))
+for name, fn, want in [("all_gather", all_gather, [0.0, 1.0]),
+                       ("reduce_scatter_tensor", reduce_scatter, float(rank) * 2),
+                       ("reduce", reduce, 2.0 if rank == 0 else 1.0)]:  # not send/recv: one side could hang
+    dist.barrier()
+    attempt(name, fn, want)
+results
+"""
+
+
+def check_gloo_cuda(ctx):
+    got = run(ctx.cluster(2, "gloo"), GLOO_CUDA_COLLECTIVES)
+    rows, failed = [], False
+    for name in got[0]:
+        per_rank = {r[name] for r in got}
+        ok = per_rank == {"ok"}
+        required = name in ("all_reduce", "broadcast")
+        failed |= required and not ok
+        rows.append((name, "ok" if ok else "; ".join(sorted(per_rank))))
+    detail = ", ".join(f"{n} {'ok' if v == 'ok' else '(' + v + ')'}" for n, v in rows)
+    return (FAILED if failed else PASSED), detail
+
+
+MICRO_DDP_VS_DDP = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from course_utils.micro_ddp import MicroDDP
+from course_utils.models import make_model
+dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+torch.manual_seed(100 + rank)
+xs, ys = torch.randn(3, 16, 16, device=dev), torch.randn(3, 16, 1, device=dev)
+models = [DDP(make_model(seed=0, d_hidden=64).to(dev)),
+          MicroDDP(make_model(seed=0, d_hidden=64).to(dev), bucket_cap_mb=0.0002)]   # 210 bytes: 3 buckets
+opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+losses = [[], []]
+for x, y in zip(xs, ys):
+    for i, (m, o) in enumerate(zip(models, opts)):
+        o.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        losses[i].append(loss.item())
+for p, q in zip(models[0].parameters(), models[1].parameters()):
+    assert p.device.type == "cuda" and q.device.type == "cuda", f"parameters on {p.device} and {q.device}"
+    torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg="MicroDDP's weights differ from DDP's")
+torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+(dist.get_backend(), str(next(models[1].parameters()).device), len(models[1].buckets))
+"""
+
+
+def check_micro_ddp_gloo_cuda(ctx):
+    got = run(ctx.cluster(2, "gloo"), MICRO_DDP_VS_DDP)
+    return PASSED, f"3 SGD steps equal to torch DDP on {got[0][1]} and {got[1][1]} ({got[0][2]} buckets), gloo"
+
+
+def check_micro_ddp_nccl(ctx):
+    ws = 2 if ctx.gpus >= 2 else 1
+    got = run(ctx.cluster(ws, "nccl"), MICRO_DDP_VS_DDP)
+    return PASSED, f"world size {ws}: 3 SGD steps equal to torch DDP ({got[0][2]} buckets, async all-reduce on NCCL)"
+
+
+MICRO_FSDP_VS_PLAIN = """
+import torch, torch.distributed as dist
+from course_utils.fsdp import MicroFSDP
+from course_utils.gpt import make_gpt
+vocab, steps = 32, 3
+g = torch.Generator().manual_seed(0)
+batches = [torch.randint(0, vocab, (world_size * 2, 9), generator=g).to(device) for _ in range(steps)]
+plain = make_gpt(vocab, seed=0, n_layer=2, n_embd=32).to(device)
+sharded = MicroFSDP(make_gpt(vocab, seed=0, n_layer=2, n_embd=32).to(device))
+opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, sharded)]
+losses = [[], []]
+loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1).float(), b[:, 1:].flatten())
+for b in batches:
+    mine = b[rank * 2:(rank + 1) * 2]
+    for i, (m, o) in enumerate(zip((plain, sharded), opts)):
+        o.zero_grad()
+        if i == 0:
+            loss = loss_fn(m, b)                        # the whole global batch on one model
+        else:
+            loss = loss_fn(m, mine)                     # this rank's share, gradients averaged over the ranks
+        loss.backward()
+        o.step()
+        logged = loss.detach().clone()
+        if i == 1:
+            dist.all_reduce(logged)
+            logged /= world_size
+        losses[i].append(logged.item())
+full = sharded.full_state_dict()
+plain_params = dict(plain.named_parameters())
+assert set(full) == set(plain_params), sorted(set(full) ^ set(plain_params))
+for name, p in plain_params.items():
+    torch.testing.assert_close(full[name].to(p.dtype), p.detach(), rtol=2e-4, atol=2e-5, msg=f"{name} differs")
+torch.testing.assert_close(losses[1], losses[0], rtol=2e-4, atol=2e-5)
+(str(next(sharded.parameters()).device), len(sharded.units))
+"""
+
+
+def check_micro_fsdp(ctx):
+    try:
+        quiet(__import__, "course_utils.fsdp")
+    except ImportError as exc:
+        return NOT_AVAILABLE, f"course_utils.fsdp does not import here ({exc})"
+    ws = 2 if ctx.gpus >= 2 else 1
+    got = run(ctx.cluster(ws, "nccl"), MICRO_FSDP_VS_PLAIN)
+    return PASSED, f"world size {ws}: 3 AdamW steps of a 2-block GPT equal to the unsharded model ({got[0][1]} units)"
+
+
+BF16_HOOK = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, bf16_compress_hook
+from course_utils.models import make_model
+dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+torch.manual_seed(7 + rank)
+x, y = torch.randn(32, 16, device=dev), torch.randn(32, 1, device=dev)
+exact, compressed = DDP(make_model(seed=0).to(dev)), DDP(make_model(seed=0).to(dev))
+exact.register_comm_hook(None, allreduce_hook)
+try:
+    compressed.register_comm_hook(None, bf16_compress_hook)
+    registered = "registered"
+except TypeError as exc:
+    registered = f"refused: {exc}"
+if registered == "registered":
+    for m in (exact, compressed):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+    for p, q in zip(exact.parameters(), compressed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=2e-2, atol=1e-3)   # bf16 keeps about 3 significant digits
+(dist.get_backend(), registered)
+"""
+
+
+def check_bf16_nccl(ctx):
+    got = run(ctx.cluster(1, "nccl"), BF16_HOOK)[0]
+    assert got[1] == "registered", f"on NCCL, bf16_compress_hook was {got[1]}"
+    return PASSED, "registers on NCCL; gradients equal fp32 all-reduce to bf16 precision"
+
+
+def check_bf16_gloo(ctx):
+    try:
+        got = run(ctx.cluster(2, "gloo"), BF16_HOOK)[0]
+    except CellFailed as exc:
+        return INFO, f"registers (a CUDA build), then gloo fails on it: {first_line(exc.error)[:160]}"
+    return INFO, f"{got[1]} with gloo on CUDA tensors; gradients equal fp32 to bf16 precision" \
+        if got[1] == "registered" else f"gloo: {got[1]}"
+
+
+# ---- the lessons --------------------------------------------------------------------------------------------
+
+def nccl_cells(nb):
+    """(cell index, world size asked for or None, source without the magic line) of the %%ddp cells that can
+    run on NCCL, in order. A cell runs on the last --backend asked for (the engine keeps it for the cells after
+    it, also across a new -n), reset by %ddp shutdown; a cell without -n keeps the running size (first: 2)."""
+    requested, cells = "auto", []
+    for i, cell in enumerate(nb["cells"]):
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] != "code":
+            continue
+        if not src.startswith("%%ddp"):
+            if re.search(r"^\s*%ddp\s+shutdown\b", src, re.M):
+                requested = "auto"
+            continue
+        magic, _, body = src.partition("\n")
+        asked = re.search(r"--backend[ =](\w+)", magic)
+        if asked:
+            requested = asked.group(1)
+        size = re.search(r"(?:-n|--world-size)[ =](\d+)", magic)
+        if requested != "gloo":
+            cells.append((i, int(size.group(1)) if size else None, body))
+    return cells
+
+
+def _classify(exc):
+    """(status, text) for a lesson cell's error: only a device error is a failure of the lesson."""
+    line = first_line(exc.error)
+    if re.search(r"gloo", line, re.I):
+        return INFO, f"gloo does not serve this on CUDA tensors: {line}"
+    if DEVICE_ERRORS.search(line):
+        return FAILED, line
+    return INFO, f"not a device error: {line}"
+
+
+def run_lesson(path, backend, size_for, shared_gpu, deadline):
+    """Run a lesson's NCCL-capable cells in order, on ``backend`` with ``size_for(asked size)`` ranks; with
+    ``shared_gpu``, every rank's ``device`` is set to one GPU (gloo, CUDA tensors). One row's (status, detail)."""
+    from course_utils import Cluster
+
+    cells = nccl_cells(json.loads(path.read_text(encoding="utf-8")))
+    if not cells:
+        return PASSED, "every %%ddp cell runs on gloo (--backend gloo): nothing to run on the GPU"
+    ran, status, detail, c, size = 0, PASSED, "", None, None
+    cwd = os.getcwd()
+    os.chdir(path.parent)  # cells open files relative to the notebook, as in JupyterLab
+    try:
+        for i, asked, body in cells:
+            if time.monotonic() > deadline:
+                status, detail = INFO, f"stopped before cell {i}: the time budget for the lessons is spent"
+                break
+            want = size_for(asked or size or 2)
+            try:
+                if c is None or want != size:  # a new -n starts fresh ranks, as %%ddp does
+                    if c is not None:
+                        quiet(c.shutdown)
+                    c, size = quiet(Cluster, world_size=want, backend=backend, timeout=60), want
+                    if shared_gpu:
+                        run(c, "import torch\ndevice = torch.device('cuda', 0)  # every rank on the same GPU")
+                run(c, body, timeout=60)
+                ran += 1
+            except CellFailed as exc:
+                status, detail = _classify(exc)
+                detail = f"cell {i}: {detail}"
+                if os.environ.get("GPU_CHECK_VERBOSE"):
+                    print(f"{path.name} cell {i}:\n{exc.error}\n{exc.output[-3000:]}", file=sys.stderr)
+                break
+    finally:
+        os.chdir(cwd)
+        if c is not None:
+            with contextlib.suppress(Exception):
+                quiet(c.shutdown)
+    return status, f"{ran} of {len(cells)} cells ran" + (f"; {detail}" if detail else "")
+
+
+def _lesson_rows(ctx, title, backend, size_for, shared_gpu, budget_s):
+    rows, deadline = [], time.monotonic() + budget_s
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        if ctx.lessons and path.name[:2] not in ctx.lessons:
+            continue
+        t0 = time.monotonic()
+        if t0 > deadline:
+            rows.append(("lessons", f"{path.name[:2]} {title}", INFO, f"not run: the {budget_s} s budget is spent"))
+            continue
+        try:
+            status, detail = run_lesson(path, backend, size_for, shared_gpu, deadline)
+        except Exception as exc:  # noqa: BLE001  (the engine could not start the ranks, say)
+            status, detail = FAILED, f"{type(exc).__name__}: {first_line(exc)}"
+        rows.append(("lessons", f"{path.name[:2]} {title}", status, detail, time.monotonic() - t0))
+    return rows
+
+
+def check_lessons_nccl(ctx, budget_s=150):
+    """Each lesson's NCCL-capable cells on NCCL, at world size min(asked, GPUs): 1 on a one-GPU machine."""
+    return _lesson_rows(ctx, "on NCCL", "nccl", lambda n: min(n, ctx.gpus), False, budget_s)
+
+
+def check_lessons_gloo_cuda(ctx, budget_s=150):
+    """Each lesson's NCCL-capable cells at their own world size, gloo, every rank's tensors on cuda:0."""
+    return _lesson_rows(ctx, "gloo+CUDA", "gloo", lambda n: n, True, budget_s)
+
+
+CHECKS = [check_environment, check_nccl_world_1, check_error_on_nccl, check_stuck_on_gpu, check_two_ranks,
+          check_gloo_cuda, check_micro_ddp_gloo_cuda, check_micro_ddp_nccl, check_micro_fsdp, check_bf16_nccl,
+          check_bf16_gloo, check_lessons_nccl, check_lessons_gloo_cuda]
+
+
+# ---- the table ----------------------------------------------------------------------------------------------
+
+def run_checks(ctx, checks=CHECKS, plan=PLAN):
+    """Rows (area, check, status, detail, seconds): one per check, or the rows a check returns."""
+    rows = []
+    for (area, name), check in zip(plan, checks):
+        if check in (check_lessons_nccl, check_lessons_gloo_cuda) and ctx.quick:
+            rows.append((area, name, INFO, "not run (--quick)", 0.0))
+            continue
+        t0 = time.monotonic()
+        try:
+            result = check(ctx)
+        except CellFailed as exc:
+            result = FAILED, f"{exc}" + (f" | rank output: {exc.output.strip()[-300:]}" if exc.output.strip() else "")
+        except Exception as exc:  # noqa: BLE001  (a failing check is a row, not the end of the run)
+            result = FAILED, f"{type(exc).__name__}: {first_line(exc)}"
+        seconds = time.monotonic() - t0
+        if isinstance(result, list):
+            rows += [r if len(r) == 5 else (*r, seconds / max(1, len(result))) for r in result]
+        else:
+            rows.append((area, name, result[0], result[1], seconds))
+    return rows
+
+
+def skipped_rows(plan=PLAN):
+    return [(area, name, NO_CUDA, "", 0.0) for area, name in plan]
+
+
+def format_table(rows, width=150):
+    """The rows as a fixed-width text table; long details wrap under their row."""
+    heads = ("area", "check", "status", "time", "detail")
+    cols = [[r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [f"{r[4]:.1f} s" for r in rows]]
+    w = [max(len(h), *(len(v) for v in col)) if col else len(h) for h, col in zip(heads, cols)]
+    left = sum(w) + 2 * len(w)
+    detail_w = max(30, width - left)
+    lines = ["  ".join(h.ljust(n) for h, n in zip(heads[:4], w)) + "  detail", "-" * min(width, left + detail_w)]
+    for r, t in zip(rows, cols[3]):
+        wrapped = textwrap.wrap(r[3], detail_w) or [""]
+        lines.append("  ".join(v.ljust(n) for v, n in zip((r[0], r[1], r[2], t), w)) + "  " + wrapped[0])
+        lines += [" " * left + more for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def exit_code(rows):
+    return 1 if any(r[2] == FAILED for r in rows) else 0
+
+
+def summary(rows):
+    counts = {}
+    for r in rows:
+        counts[r[2]] = counts.get(r[2], 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="The course on this machine's GPUs (make test-gpu).")
+    parser.add_argument("--quick", action="store_true", help="skip running the lessons' cells")
+    parser.add_argument("--lessons", nargs="*", default=None, help="two-digit lesson numbers to run (default: all)")
+    args = parser.parse_args(argv)
+    from course_utils.engine.launcher import _gpu_count  # NVML: this process never initialises CUDA
+
+    gpus = _gpu_count()
+    if gpus == 0:
+        import torch
+
+        why = "torch is a CPU-only build" if not torch.version.cuda else "no CUDA device is visible"
+        rows = skipped_rows()
+        print(f"No CUDA here ({why}): nothing to check on a GPU. The CPU path (gloo) is what CI tests: make test.")
+        print(format_table(rows))
+        print(f"gpu_check: {summary(rows)}")
+        return 0
+    print(f"gpu_check: {gpus} GPU(s) visible; starting ranks with the course's engine ...", flush=True)
+    ctx = Context(gpus, lessons=set(args.lessons) if args.lessons else None, quick=args.quick)
+    try:
+        rows = run_checks(ctx)
+    finally:
+        ctx.close()
+    print(format_table(rows))
+    code = exit_code(rows)
+    print(f"gpu_check: {summary(rows)}; {'FAILED' if code else 'passed'}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""``scripts/gpu_check.py`` (``make test-gpu``) on a machine without CUDA: its no-CUDA path, its table, its rules.
+
+    .venv/bin/python -m pytest tests/test_gpu_check.py -q
+
+The GPU checks themselves need a GPU. Here: the script says clearly that there is no CUDA and exits 0 with
+every row skipped; a failing check makes a FAILED row and exit code 1; the lessons' cells it would run are
+the ones ``%%ddp`` would put on NCCL; only a device error fails a lesson; and the cells of its collective,
+MicroDDP and bf16-hook checks compute what they assert, run on CPU tensors over gloo (their device line
+swapped for the CPU), so a wrong expected value shows up here and not first on someone's GPU.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_cuda_it_says_so_and_exits_0_with_every_row_skipped(gpu_check):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("No CUDA here ("), out.stdout
+    for area, name in gpu_check.PLAN:
+        line = next((li for li in out.stdout.splitlines() if name in li), None)
+        assert line is not None and "skipped (no CUDA)" in line and line.startswith(area), (name, out.stdout)
+    assert out.stdout.rstrip().endswith(f"gpu_check: {len(gpu_check.PLAN)} skipped (no CUDA)"), out.stdout
+
+
+def test_a_failing_check_is_a_failed_row_and_exit_code_1(gpu_check):
+    def ok(ctx):
+        return gpu_check.PASSED, "fine"
+
+    def broken(ctx):
+        raise AssertionError("the sum was 5, expected 6")
+
+    def several(ctx):
+        return [("lessons", "00", gpu_check.PASSED, "3 of 3 cells ran"), ("lessons", "01", gpu_check.INFO, "x")]
+
+    ctx = gpu_check.Context(gpus=1)
+    rows = gpu_check.run_checks(ctx, [ok, broken, several], [("a", "ok"), ("a", "broken"), ("a", "several")])
+    assert [r[:3] for r in rows] == [("a", "ok", "passed"), ("a", "broken", "FAILED"), ("lessons", "00", "passed"),
+                                     ("lessons", "01", "info")], rows
+    assert rows[1][3] == "AssertionError: the sum was 5, expected 6", rows[1]
+    assert gpu_check.exit_code(rows) == 1
+    assert gpu_check.exit_code([r for r in rows if r[2] != "FAILED"]) == 0
+    assert gpu_check.summary(rows) == "2 passed, 1 FAILED, 1 info"
+
+
+def test_the_table_has_a_header_a_row_per_check_and_wraps_long_details(gpu_check):
+    rows = [("engine", "NCCL at world size 1", "passed", "short", 1.25),
+            ("lessons", "02 on NCCL", "FAILED", "word " * 60, 0.0)]
+    table = gpu_check.format_table(rows, width=100).splitlines()
+    assert table[0].split() == ["area", "check", "status", "time", "detail"], table[0]
+    assert table[2].startswith("engine   NCCL at world size 1  passed  1.2 s") and table[2].endswith("short"), table
+    assert table[3].startswith("lessons  02 on NCCL") and "FAILED" in table[3]
+    assert len(table) > 4 and all(len(line) <= 100 for line in table), table
+    detail = " ".join(line[len(table[2]) - len("short"):].strip() for line in table[3:])
+    assert detail.split() == ["word"] * 60, "the wrapped detail keeps every word"
+
+
+def test_the_lessons_cells_are_those_ddp_would_put_on_nccl(gpu_check):
+    def cell(src):
+        return {"cell_type": "code", "source": src}
+
+    nb = {"cells": [cell("%%ddp -n 4\na = 1"), {"cell_type": "markdown", "source": "%%ddp -n 9\nno"},
+                    cell("%%ddp\nb = 2"), cell("%%ddp -n 2 --backend gloo\nc = 3"), cell("%%ddp -n 3\nd = 4"),
+                    cell("%ddp shutdown"), cell("%%ddp --world-size 2 --rank 0\ne = 5"),
+                    cell("%%ddp --backend=gloo\nf = 6"), cell("%%ddp --backend nccl\ng = 7"), cell("x = 1")]}
+    assert gpu_check.nccl_cells(nb) == [(0, 4, "a = 1"), (2, None, "b = 2"), (6, 2, "e = 5"), (8, None, "g = 7")]
+
+
+def test_only_a_device_error_fails_a_lesson(gpu_check):
+    def failed(text):
+        return gpu_check.CellFailed(RuntimeError(f"rank 0 failed with {text}\nTraceback ...\n{text}"), "")
+
+    status, detail = gpu_check._classify(failed("RuntimeError: No backend type associated with device type cpu"))
+    assert status == "FAILED" and "device type cpu" in detail
+    status, _ = gpu_check._classify(failed(
+        "RuntimeError: Expected all tensors to be on the same device, but found cuda:0 and cpu"))
+    assert status == "FAILED"
+    status, detail = gpu_check._classify(failed("NameError: name 'scale' is not defined"))
+    assert (status, detail) == ("info", "not a device error: NameError: name 'scale' is not defined")
+    status, detail = gpu_check._classify(failed("RuntimeError: ProcessGroupGloo::scatter: unsupported device type"))
+    assert status == "info" and detail.startswith("gloo does not serve this"), detail
+
+
+def _on_cpu(source):
+    return (source.replace('torch.device("cuda", local_rank % torch.cuda.device_count())', 'torch.device("cpu")')
+            .replace('== "cuda"', '== "cpu"').replace('("cuda", [', '("cpu", ['))
+
+
+def test_its_cells_compute_what_they_assert_on_cpu_tensors(gpu_check, make_cluster):
+    cluster = make_cluster(2, timeout=120)
+    got = gpu_check.run(cluster, _on_cpu(gpu_check.GLOO_CUDA_COLLECTIVES))
+    assert all(set(r.values()) == {"ok"} for r in got), got
+    assert list(got[0]) == ["all_reduce", "broadcast", "all_gather", "reduce_scatter_tensor", "reduce"], got[0]
+    backend, where, buckets = gpu_check.run(cluster, _on_cpu(gpu_check.MICRO_DDP_VS_DDP))[0]
+    assert (backend, where) == ("gloo", "cpu") and buckets == 3, (backend, where, buckets)
+    backend, registered = gpu_check.run(cluster, _on_cpu(gpu_check.BF16_HOOK))[0]
+    if not __import__("torch").version.cuda:  # a CPU build refuses the hook at registration (lesson 09's fact)
+        assert registered.startswith("refused: BF16 all reduce communication hook required CUDA"), registered
+    with pytest.raises(gpu_check.CellFailed, match="ZeroDivisionError"):
+        gpu_check.run(cluster, "print('visible in the output'); 1 / 0")
+
+
+def test_make_test_gpu_runs_the_script():
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    run = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "test-gpu",
+                          "GPU_CHECK_ARGS=--quick"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split() == [".venv/bin/python", "scripts/gpu_check.py", "--quick"], run.stdout
