@@ -190,3 +190,15 @@ def test_check_micro_fsdp_names_the_typical_wrong_answers(cluster, kind, words):
 @pytest.mark.parametrize("kind", ["solution", "no-prefetch"])
 def test_check_micro_fsdp_passes_the_solution(cluster, kind):
     assert cluster.run(_micro_fsdp_verdict, kind) == [None, None]
+
+
+# -- the exercise cell of the stored notebook ----------------------------------------------------------------
+
+def test_exercise_cell_passes_with_the_solution_and_its_scaffold_fails(cluster):
+    from exercise_helpers import notebook_cell, run_exercise_cell
+
+    source = notebook_cell(NOTEBOOK, "class MyReduceScatter")
+    assert "USE_SOLUTION = True" in source, "the stored notebook must run the course's solution"
+    assert cluster.run(run_exercise_cell, source) == [None, None], "the course's solution must pass"
+    got = cluster.run(run_exercise_cell, source.replace("USE_SOLUTION = True", "USE_SOLUTION = False"))[0]
+    assert got and "NotImplementedError" in got and "write MyReduceScatter.post_backward" in got, got
