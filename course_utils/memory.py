@@ -17,7 +17,8 @@ after an optimizer step, and activations are counted as autograd saves them, thr
 """
 import torch
 
-__all__ = ["ActivationMeter", "measure_step_memory", "tensor_bytes", "format_bytes", "MEMORY_KINDS"]
+__all__ = ["ActivationMeter", "measure_step_memory", "tensor_bytes", "format_bytes", "MEMORY_KINDS",
+           "ddp_bucket_bytes"]
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -214,3 +215,23 @@ def peak_memory(step, *tracked):
     return {"total": by.get("Total", 0), "parameters": by.get("Parameter", 0), "gradients": by.get("Gradient", 0),
             "optimizer_state": by.get("Optstate", 0), "activations": by.get("Activation", 0),
             "temporaries": by.get("Temp", 0) + by.get("Other", 0), "buffers": by.get("Buffer", 0)}
+
+
+# -- DDP's bucket copies (12_zero_fsdp) -----------------------------------------------------------
+def ddp_bucket_bytes(model):
+    """Bytes of the gradient buckets torch DDP allocated for ``model`` (0 for anything else).
+
+    Introduced in 12_zero_fsdp. DDP's reducer allocates them in C++, so no Python-side meter sees them;
+    they are read from DDP's own logging data (``bucket_sizes``). DDP allocates them when it is built (and
+    rebuilds them in the second iteration's forward), so ``peak_memory`` of a later step does not see them:
+    add them to its total. With ``gradient_as_bucket_view=True`` the
+    gradients are views into the buckets, already counted as gradients: 0 then. With the default ``False``
+    every gradient exists twice, once in ``p.grad`` and once in its bucket."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    data = model._get_ddp_logging_data()
+    if data.get("gradient_as_bucket_view"):
+        return 0
+    return sum(int(s) for s in str(data.get("bucket_sizes", "")).replace(" ", "").split(",") if s)
