@@ -32,6 +32,7 @@ import io
 import json
 import os
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -85,6 +86,8 @@ def run(cluster, source, timeout=120):
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             return cluster.run_cell(textwrap.dedent(source), timeout=timeout)
+    except CheckTimeout:
+        raise
     except Exception as exc:  # noqa: BLE001  (DistributedError, DistributedTimeout, CellSyntaxError)
         raise CellFailed(exc, out.getvalue()) from exc
 
@@ -483,12 +486,12 @@ def _lesson_rows(ctx, title, backend, size_for, shared_gpu, budget_s):
     return rows
 
 
-def check_lessons_nccl(ctx, budget_s=150):
+def check_lessons_nccl(ctx, budget_s=100):
     """Each lesson's NCCL-capable cells on NCCL, at world size min(asked, GPUs): 1 on a one-GPU machine."""
     return _lesson_rows(ctx, "on NCCL", "nccl", lambda n: min(n, ctx.gpus), False, budget_s)
 
 
-def check_lessons_gloo_cuda(ctx, budget_s=150):
+def check_lessons_gloo_cuda(ctx, budget_s=100):
     """Each lesson's NCCL-capable cells at their own world size, gloo, every rank's tensors on cuda:0."""
     return _lesson_rows(ctx, "gloo+CUDA", "gloo", lambda n: n, True, budget_s)
 
@@ -500,25 +503,48 @@ CHECKS = [check_environment, check_nccl_world_1, check_error_on_nccl, check_stuc
 
 # ---- the table ----------------------------------------------------------------------------------------------
 
+class CheckTimeout(Exception):
+    pass
+
+
+def _over_time(signum, frame):
+    raise CheckTimeout(f"the check ran over {CHECK_LIMIT_S} s (a hang the engine did not end?)")
+
+
+CHECK_LIMIT_S = 240  # per check: a hang in the engine or the GPU must not hold the machine
+
+
 def run_checks(ctx, checks=CHECKS, plan=PLAN):
     """Rows (area, check, status, detail, seconds): one per check, or the rows a check returns."""
     rows = []
+    alarm = hasattr(signal, "SIGALRM")
+    if alarm:
+        previous = signal.signal(signal.SIGALRM, _over_time)
     for (area, name), check in zip(plan, checks):
         if check in (check_lessons_nccl, check_lessons_gloo_cuda) and ctx.quick:
             rows.append((area, name, INFO, "not run (--quick)", 0.0))
             continue
         t0 = time.monotonic()
+        if alarm:
+            signal.alarm(CHECK_LIMIT_S)
         try:
             result = check(ctx)
         except CellFailed as exc:
             result = FAILED, f"{exc}" + (f" | rank output: {exc.output.strip()[-300:]}" if exc.output.strip() else "")
         except Exception as exc:  # noqa: BLE001  (a failing check is a row, not the end of the run)
             result = FAILED, f"{type(exc).__name__}: {first_line(exc)}"
+            if isinstance(exc, CheckTimeout):
+                ctx.close()  # its ranks may be stuck: the next check starts fresh ones
+        finally:
+            if alarm:
+                signal.alarm(0)
         seconds = time.monotonic() - t0
         if isinstance(result, list):
             rows += [r if len(r) == 5 else (*r, seconds / max(1, len(result))) for r in result]
         else:
             rows.append((area, name, result[0], result[1], seconds))
+    if alarm:
+        signal.signal(signal.SIGALRM, previous)
     return rows
 
 

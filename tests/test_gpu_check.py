@@ -59,6 +59,18 @@ def test_a_failing_check_is_a_failed_row_and_exit_code_1(gpu_check):
     assert gpu_check.summary(rows) == "2 passed, 1 FAILED, 1 info"
 
 
+def test_a_check_that_hangs_is_ended_and_reported(gpu_check, monkeypatch):
+    import time
+
+    closed = []
+    monkeypatch.setattr(gpu_check, "CHECK_LIMIT_S", 1)
+    ctx = gpu_check.Context(gpus=1)
+    monkeypatch.setattr(ctx, "close", lambda: closed.append(True))
+    rows = gpu_check.run_checks(ctx, [lambda ctx: time.sleep(30)], [("engine", "hangs")])
+    assert rows[0][2:4] == ("FAILED", "CheckTimeout: the check ran over 1 s (a hang the engine did not end?)"), rows
+    assert rows[0][4] < 10 and closed == [True], "the hung check's ranks are shut down"
+
+
 def test_the_table_has_a_header_a_row_per_check_and_wraps_long_details(gpu_check):
     rows = [("engine", "NCCL at world size 1", "passed", "short", 1.25),
             ("lessons", "02 on NCCL", "FAILED", "word " * 60, 0.0)]
