@@ -13,12 +13,21 @@ from conftest import register_by_value
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def notebook_cell(notebook, marker):
-    """The source of the one cell of ``notebooks/<notebook>`` that contains ``marker``."""
+def notebook_cell(notebook, marker, *, ddp_line=True):
+    """The source of the one code cell of ``notebooks/<notebook>`` that contains ``marker``, as stored: the one
+    place the tests read a cell out of a notebook. ``ddp_line=False``: without its ``%%ddp`` line if it has one,
+    as the ranks run it."""
     path = NOTEBOOKS / notebook
-    cells = [c.source for c in nbformat.read(path, as_version=4).cells if marker in c.source]
-    assert len(cells) == 1, f"expected one cell of {path.name} containing {marker!r}, found {len(cells)}"
-    return cells[0]
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code" and marker in c.source]
+    assert len(cells) == 1, f"expected one code cell of {path.name} containing {marker!r}, found {len(cells)}"
+    source = cells[0]
+    return source.split("\n", 1)[1] if not ddp_line and source.startswith("%%ddp") else source
+
+
+def solution_off(source):
+    """An exercise cell's ``source`` with ``USE_SOLUTION = True`` switched off: the learner's scaffold runs."""
+    assert "USE_SOLUTION = True" in source, "the exercise cell should switch the solution on by a flag"
+    return source.replace("USE_SOLUTION = True", "USE_SOLUTION = False", 1)
 
 
 def verdict(check, *args, **kwargs):

@@ -1,22 +1,17 @@
 """Lesson 00, exercise 2: the self-check fails the notebook's unmodified scaffold and typical wrong answers,
 each with a reason a learner can act on, and passes the course's solution."""
-import json
-
 import pytest
 
-from conftest import ROOT
 from course_utils.tour import check_sum_of_squares
+from exercise_helpers import notebook_cell
 from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
 def _scaffold():
     """The %%ddp cell of the stored notebook that defines sum_of_squares, without its %%ddp line."""
-    nb = json.loads((ROOT / "notebooks" / "00_launcher_tour.ipynb").read_text(encoding="utf-8"))
-    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
-    [cell] = [c for c in cells if "def sum_of_squares" in c]
-    first, _, body = cell.partition("\n")
-    assert first.startswith("%%ddp")
-    return body
+    source = notebook_cell("00_launcher_tour.ipynb", "def sum_of_squares")
+    assert source.startswith("%%ddp"), "exercise 2 runs on the ranks"
+    return source.split("\n", 1)[1]
 
 
 @pytest.fixture
