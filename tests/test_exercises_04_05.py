@@ -18,6 +18,7 @@ from conftest import register_by_value
 from course_utils import DistributedError, bench
 from course_utils.checks import grad_avg
 from course_utils.checks.grad_avg import check_adam_hides_the_bug, check_grad_averaging
+from exercise_helpers import notebook_cell
 
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
@@ -26,11 +27,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 def _cell_defining(notebook, name):
     """The source of the notebook's cell that defines ``def name(``."""
-    nb = nbformat.read(NOTEBOOKS / notebook, 4)
-    for cell in nb.cells:
-        if cell.cell_type == "code" and f"def {name}(" in cell.source:
-            return cell.source
-    raise AssertionError(f"{notebook} has no cell defining {name}")
+    return notebook_cell(notebook, f"def {name}(")
 
 
 def _scaffold(notebook, name):
