@@ -8,31 +8,22 @@ runs them: on 2 gloo ranks (``%%ddp`` cells) or in this process.
     .venv/bin/python -m pytest tests/test_exercises_09_10.py -p no:randomly
 """
 import functools
-from pathlib import Path
-
-import nbformat
 import pytest
 
 from course_utils import DistributedError, costmodel, hooks
 from course_utils.checks.comm_hook import check_fp16_powersgd_bytes, check_tightest_rtol
 from course_utils.costmodel import Calibration
-
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+from exercise_helpers import notebook_cell, solution_off
 
 
 def cell(notebook, marker):
     """The source of the one code cell of ``notebook`` containing ``marker``, without a %%ddp line."""
-    nb = nbformat.read(NOTEBOOKS / notebook, as_version=4)
-    found = [c.source for c in nb.cells if c.cell_type == "code" and marker in c.source]
-    assert len(found) == 1, f"{notebook}: {len(found)} code cells contain {marker!r}"
-    source = found[0]
-    return source.split("\n", 1)[1] if source.startswith("%%ddp") else source
+    return notebook_cell(notebook, marker, ddp_line=False)
 
 
 def learner(source, **replacements):
     """``source`` with USE_SOLUTION switched off and each ``old=new`` line replacement applied."""
-    assert "USE_SOLUTION = True" in source, "the exercise cell must switch its solution on with USE_SOLUTION"
-    source = source.replace("USE_SOLUTION = True", "USE_SOLUTION = False", 1)
+    source = solution_off(source)
     for old, new in replacements.values():
         assert old in source, f"{old!r} not in the exercise cell"
         source = source.replace(old, new, 1)
