@@ -138,3 +138,28 @@ def test_a_file_written_into_the_repository_is_seen(tmp_path):
     finally:
         probe.unlink(missing_ok=True)
     assert f"tests/{probe.name}" not in repository_extras()
+
+
+WRITE_PROBE = "MICRO_DDP_TEST_WRITE_PROBE"  # set by the test below for its inner pytest run only
+
+
+@pytest.mark.skipif(not os.environ.get(WRITE_PROBE), reason="run by the test below, in its own pytest")
+def test_writes_into_the_repository():
+    Path(os.environ[WRITE_PROBE]).write_text("a test wrote here\n")
+
+
+def test_a_run_that_writes_into_the_repository_fails_in_ci():
+    if repository_extras() is None:
+        pytest.skip("not a git checkout")
+    probe = ROOT / "tests" / f".written-by-a-test-{os.getpid()}.tmp"
+    try:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
+                              f"{__file__}::test_writes_into_the_repository"], cwd=ROOT, capture_output=True, text=True,
+                             env=dict(os.environ, CI="true", **{WRITE_PROBE: str(probe)}), timeout=300)
+    finally:
+        written = probe.exists()
+        probe.unlink(missing_ok=True)
+    assert written, f"the inner test did not run:\n{run.stdout[-2000:]}"
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED and "1 passed" in run.stdout, run.stdout[-2000:]
+    assert "conftest: the tests wrote into the repository: [" in run.stdout, run.stdout[-2000:]
+    assert f"'tests/{probe.name}'" in run.stdout, run.stdout[-2000:]
