@@ -12,8 +12,11 @@ where such a cell works, so only this scan catches it before a learner with GPUs
 
 The rule (what fails the test):
 
-* Which cells: every ``%%ddp`` cell whose magic line does not pin ``--backend gloo``, whatever its
-  ``-n`` (a machine with enough GPUs gives every size NCCL).
+* Which cells: every ``%%ddp`` cell that does not run on gloo for sure, whatever its ``-n`` (a machine with
+  enough GPUs gives every size NCCL). A cell runs on the backend the notebook's cluster was last asked for:
+  ``--backend gloo`` on a cell pins that cell *and the cells after it* (the engine keeps the requested
+  backend across cells and across a new ``-n``) until a cell asks for ``--backend auto|nccl`` or a
+  ``%ddp shutdown`` starts afresh (``magic._cluster_for``).
 * What it may not do: pass a tensor or a model that was *built on the CPU and never moved* to
 
   - a collective of ``torch.distributed`` (``all_reduce``, ``broadcast``, ``reduce``, ``all_gather``,
@@ -23,9 +26,12 @@ The rule (what fails the test):
   - ``DistributedDataParallel``/``DDP``, ``FullyShardedDataParallel``/``FSDP``, ``fully_shard``,
     ``ZeroRedundancyOptimizer``, ``MicroDDP``, ``MicroFSDP``, or any class that calls collectives;
   - a function of the cell (or of an earlier cell) or a ``course_utils`` helper that hands that argument
-    on to one of the above, or to a function it was given (a checker calling the learner's function);
+    on to one of the above (``ring_all_reduce(t)``, ``MicroDDP(model)``);
   - nor may the cell call a ``course_utils`` helper that itself builds a CPU tensor or model and hands it
-    to one of the above (a checker that would crash on NCCL fails the cells that call it).
+    to one of the above, or to a function the cell gave it that runs collectives on its arguments (a
+    checker calling the learner's ``start_allreduce`` with a CPU bucket): such a helper would crash on
+    NCCL, so every cell that calls it fails until the helper is fixed. The helpers are read from the same
+    revision as the notebooks.
 * Built on the CPU: a torch tensor constructor (``torch.ones``, ``zeros``, ``tensor``, ``arange``,
   ``randn``, ``rand``, ``randint``, ``empty``, ``full``, ...) without ``device=``; ``*_like(t)`` of such a
   tensor; an ``nn`` module or an ``nn.Module`` subclass constructed without ``device=`` (e.g.
@@ -37,7 +43,7 @@ The rule (what fails the test):
   then moving (``torch.randn(8, 4, generator=g).to(device)``) is fine, and it is what keeps a cell's
   numbers the same on both backends.
 * Escape hatches, each with its reason in the code: ``%%ddp ... --backend gloo`` (the lesson is about the
-  CPU there; say so in one sentence beside the cell), or a branch that only runs on gloo:
+  CPU from there on; say so in one sentence beside the cell), or a branch that only runs on gloo:
   ``if dist.get_backend() == "gloo":`` (or ``!= "nccl"``, ``device.type == "cpu"``; the ``else`` of the
   opposite test). A value that is CPU on one branch and on ``device`` on the other (``torch.device("cuda")
   if ... == "nccl" else torch.device("cpu")``) counts as moved.
