@@ -912,9 +912,11 @@ def test_a_checker_that_builds_cpu_tensors_for_the_learners_function_fails_its_c
     found = scan_source("%%ddp\nfrom course_utils.fake_checks import check_avg\n"
                         "def f(flat):\n    return dist.all_reduce(flat, async_op=True)\ncheck_avg(f)",
                         "%%ddp\nfrom course_utils.fake_checks import check_avg_fixed\ncheck_avg_fixed(f)",
+                        "%%ddp\ndef layout(flat):\n    return [flat.numel()]  # no collective\ncheck_avg(layout)",
                         read=lambda rel: files.get(rel))
     assert any("check_avg" in m and "flat" in m for m in found[0]["errors"]), found[0]
     assert not found[1]["errors"], found[1]
+    assert not found[2]["errors"], f"a CPU tensor for a function that runs no collective is fine: {found[2]}"
 
 
 def test_the_scan_reads_the_course_utils_of_the_notebooks_own_revision():
