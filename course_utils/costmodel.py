@@ -482,14 +482,14 @@ def plot_sweep(rows, predictions=None):
     a1.legend(fontsize=8)
     _style(a1, "one step: compute vs communication", "", "ms")
     share = [r["comm"] / (r["comm"] + r["compute"]) for r in rows]
-    a2.bar(xs, share, color=["tab:orange" if s > 0.5 else "tab:blue" for s in share])
+    a2.bar(xs, share, color=["tab:orange" if s > 0.5 else "tab:blue" for s in share])  # of compute + comm
     if predictions is not None:
         a2.plot(xs, [p.comm_share for p in predictions], "k_", markersize=14, mew=2, label="model")
         a2.legend(fontsize=8)
     a2.axhline(0.5, color="k", lw=1, ls="--")
     a2.set_xticks(list(xs), labels, fontsize=7)
     a2.set_ylim(0, 1)
-    _style(a2, "communication share (orange: dominates)", "", "comm / step")
+    _style(a2, "all-reduce's share of compute + all-reduce (orange: dominates)", "", "comm / (compute + comm)")
     fig.tight_layout()
     return fig
 
@@ -548,7 +548,7 @@ def draw_model(fig, cal, *, world_size, params, micro_batch, accum_steps, compre
     a2.plot(sizes, [r.efficiency for r in rows], "o-")
     a2.plot([world_size], [now.efficiency], "o", color="tab:red", markersize=9)
     a2.set_xscale("log", base=2)
-    a2.set_xticks(sizes, [str(x) for x in sizes], fontsize=8)
+    a2.set_xticks(WORLD_SIZES, [str(x) for x in WORLD_SIZES], fontsize=8)  # not world_size: 96 would hit 128
     a2.minorticks_off()
     a2.set_ylim(0, 1.05)
     _style(a2, "scaling efficiency", "world size", "T(1) / T(W)")
@@ -603,7 +603,9 @@ def cost_model_widget(cal, *, world_size, params, micro_batch, accum_steps=1, co
     common = dict(continuous_update=False, style={"description_width": "90px"},
                   layout=w.Layout(width="330px"))
     sliders = {
-        "world_size": w.IntSlider(value=world_size, min=1, max=128, description="world size", **common),
+        # powers of two only: the sizes a ring or tree all-reduce is usually run at, and one tick each on the plots
+        "world_size": w.SelectionSlider(options=sorted(set(WORLD_SIZES) | {world_size}), value=world_size,
+                                        description="world size", **common),
         "model_m": w.FloatLogSlider(value=params / 1e6, base=10, min=-3, max=4, step=0.05,
                                     description="model size", readout_format=".3g", **common),
         "bandwidth_gbs": w.FloatLogSlider(value=cal.bandwidth / 1e9, base=10, min=-2, max=3, step=0.05,
