@@ -304,12 +304,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             missing = [p for p in self.params if id(p) not in self._got_grad]
         else:
             missing = [p for p in self.params if p.grad is None]
-            flat_grad = self.flatten_grads()
-            for b in self.buckets:
-                s = self._shard_of[id(b)]
-                has = any(p.grad is not None for p in b.params)
-                s.grad = flat_grad[s_lo(b, self.rank):s_lo(b, self.rank) + b.chunk] if has else None
-            del flat_grad
+            for b in self.buckets:                          # only this rank's chunk of the gradient, copied
+                self._shard_of[id(b)].grad = self._chunk_of_grads(b)
         self._step_shards(missing)
         if not self.reduce_scatter:
             for s in self.shards:
@@ -319,6 +315,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             dist.all_gather_single(self.flat[b.start:b.end], s.detach().clone(), group=self.group)
         self._got_grad = set()
         return loss
+
+    def _chunk_of_grads(self, b):
+        """This rank's chunk of bucket ``b``'s gradients (``p.grad``, zeros where None); None if no gradient."""
+        if all(p.grad is None for p in b.params):
+            return None
+        lo, hi = s_lo(b, self.rank), s_lo(b, self.rank) + b.chunk
+        out = torch.zeros(b.chunk, dtype=self.flat.dtype, device=self.flat.device)
+        for p, o in zip(b.params, b.offsets):
+            a, z = max(lo, o), min(hi, o + p.numel())
+            if p.grad is not None and a < z:
+                out[a - lo:z - lo] = p.grad.reshape(-1)[a - o:z - o]
+        return out
 
     def _step_shards(self, missing):
         """The inner optimizer's step, with the outer groups' hyperparameters and the parameters without
