@@ -316,6 +316,8 @@ def test_describe_throughput_blames_what_grew():
     assert "close to the ideal x4" in ideal[1], ideal
     both = bench.describe_throughput(sizes, samples, [1.0, 2.0, 3.0], [0.0, 2.0, 4.0], cores=1)
     assert "both by the shared CPU cores" in both[1], both
+    partly = bench.describe_throughput(sizes, samples, [1.0, 1.2, 1.4], [0.0, 0.2, 0.3], cores=2)
+    assert "grew a little" in partly[0] and "shared CPU cores" in partly[1], partly
     noisy = bench.describe_throughput(sizes, samples, [1.0, 0.7, 0.5], [0.0, 0.1, 0.1], cores=8)
     assert "disturbed" in noisy[0], noisy
 
