@@ -231,3 +231,21 @@ def test_09_exercise_2_solution_passes(cluster):
 def test_09_exercise_2_wrong_answers_fail_with_a_reason(cluster, rtol, reason):
     with pytest.raises(AssertionError, match=reason.replace("(", r"\(").replace(")", r"\)")):
         run_09_exercise_2(cluster, f"rtol = {rtol}")
+
+
+def test_10_world_size_slider_takes_powers_of_two_and_labels_do_not_collide():
+    """Issue 23: the slider offered 96 (x labels "96128"); now powers of two only, and the efficiency panel's
+    ticks stay the powers of two even when plot_model is given another world size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cal = Calibration(alpha=50e-6, beta=1e-9, flop_rate=1e10, world_size=2)
+    panel = costmodel.cost_model_widget(cal, world_size=2, params=5e5, micro_batch=16)
+    options = list(panel.sliders["world_size"].options)
+    assert options == [1, 2, 4, 8, 16, 32, 64, 128], options
+    fig = plt.figure()
+    costmodel.draw_model(fig, cal, world_size=96, params=5e5, micro_batch=16, accum_steps=1)
+    ticks = [t.get_text() for t in fig.axes[1].get_xticklabels()]
+    plt.close(fig)
+    assert "96" not in ticks and ticks == [str(w) for w in costmodel.WORLD_SIZES], ticks
