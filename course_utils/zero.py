@@ -699,13 +699,18 @@ def make_uneven_model(seed=0):
 
 
 # -- the ZeRO table --------------------------------------------------------------------------------------
-def zero_table(world_size):
-    """Predicted bytes per parameter per rank with fp32 weights and gradients and Adam's two fp32 moments:
+def zero_table(world_size, mixed_precision=False):
+    """Predicted bytes per parameter per rank of model state with Adam, between steps:
     ``{strategy: (parameters, gradients, optimizer_state)}`` as Fractions. Introduced in 12_zero_fsdp.
 
-    The same stages as ``costmodel.memory_per_rank`` (10_tradeoffs), split by kind."""
+    fp32 (default): 4 + 4 + 8 (weights, gradients, Adam's two moments). ``mixed_precision=True``: the ZeRO
+    paper's 2 + 2 + 12 (fp16/bf16 weights and gradients; an fp32 master copy of the weights and Adam's two
+    fp32 moments as optimizer state). The fp32 stages are those of ``costmodel.memory_per_rank``
+    (10_tradeoffs), split by kind. Peaks add more: DDP's bucket copy of the gradients, activations,
+    temporaries, FSDP's gathered layers."""
     w = Fraction(1, world_size)
-    return {"ddp": (Fraction(4), Fraction(4), Fraction(8)),
-            "zero1": (Fraction(4), Fraction(4), 8 * w),
-            "zero2": (Fraction(4), 4 * w, 8 * w),
-            "fsdp": (4 * w, 4 * w, 8 * w)}
+    p, g, o = (Fraction(2), Fraction(2), Fraction(12)) if mixed_precision else (Fraction(4), Fraction(4), Fraction(8))
+    return {"ddp": (p, g, o),
+            "zero1": (p, g, o * w),
+            "zero2": (p, g * w, o * w),
+            "fsdp": (p * w, g * w, o * w)}
