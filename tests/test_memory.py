@@ -175,3 +175,25 @@ def test_model_state_per_rank_is_flat_in_the_world_size(cluster4):
                                        msg=f"world size {n}: averaged gradients must give equal weights (rank {r})")
         assert not torch.allclose(local[1], local[0]), (
             f"world size {n}: without averaging, different data should give different weights")
+
+
+def _ddp_buckets():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.memory import ddp_bucket_bytes
+
+    out = {}
+    for view in (False, True):
+        model = DDP(make_model(seed=0), gradient_as_bucket_view=view, bucket_cap_mb=0.001)   # several buckets
+        model(torch.randn(4, 16)).sum().backward()
+        out[view] = ddp_bucket_bytes(model)
+    out["plain"] = ddp_bucket_bytes(make_model(seed=0))
+    out["params"] = tensor_bytes(make_model(seed=0).parameters())
+    return out
+
+
+def test_ddp_bucket_bytes_counts_the_second_copy_of_the_gradients(cluster4):
+    r = cluster4.run(_ddp_buckets)[0]
+    assert r[False] == r["params"], f"DDP's default buckets copy every gradient: {r[False]} of {r['params']} bytes"
+    assert r[True] == 0, "with gradient_as_bucket_view=True the gradients are the buckets: nothing extra"
+    assert r["plain"] == 0, "a model without DDP has no buckets"
