@@ -144,7 +144,8 @@ def _schedule_problem(schedule, p, m):
                 missing = [i for i, c in enumerate(counts) if c == 0]
                 twice = [i for i, c in enumerate(counts) if c > 1]
                 word = "forward" if kind == "F" else "backward"
-                return (f"on stage {s} of {p} with {m} micro-batches, every micro-batch must run {word} exactly "
+                return (f"on stage {s} of {p} with {m} micro-batch{'es' if m > 1 else ''}, every micro-batch must run "
+                        f"{word} exactly "
                         f"once: " + (f"missing {missing}" if missing else f"more than once: {twice}") + ".")
         schedules.append(actions)
     try:
