@@ -156,3 +156,25 @@ def test_time_op_buffers_match_the_op():
     shapes = {op: shapes_of(op) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
     assert shapes == {"all_reduce": [(1024,)], "all_gather": [(1024,), (256,)],
                       "reduce_scatter": [(256,), (1024,)], "broadcast": [(1024,), 0]}, shapes
+
+
+def test_describe_model_fit_follows_the_numbers():
+    """03's verdict on its two cost models, chosen from the counts of agreeing sizes and the measured/model ratios."""
+    shared, far = bench.describe_model_fit({"dedicated": 1, "shared": 2}, 2, [3.3, 12.0], cores=2)
+    assert "as the shared-link model does" in shared and "above it everywhere" in far, (shared, far)
+    assert "3.3x to 12.0x" in far and "2 core(s)" in far, far
+    both, close = bench.describe_model_fit({"dedicated": 2, "shared": 2}, 2, [0.9, 1.2], cores=8)
+    assert "both models" in both and "about right" in close, (both, close)
+    neither, below = bench.describe_model_fit({"dedicated": 0, "shared": 1}, 2, [0.2, 0.5], cores=8)
+    assert "neither model" in neither and "below it everywhere" in below, (neither, below)
+
+
+def test_code_of_hides_the_docstring_that_answers_the_prediction():
+    """03 prints the algorithms' code before asking how many bytes they send: the docstrings say it."""
+    from course_utils import allreduce
+
+    for fn in (allreduce.naive_all_reduce, allreduce.ring_all_reduce):
+        code = allreduce.code_of(fn)
+        assert code.startswith(f"def {fn.__name__}(tensor):") and "dist." in code, code
+        assert "(n-1) x S" in (fn.__doc__ or "") and "(n-1) x S" not in code, code
+        compile(code, fn.__name__, "exec")   # still valid Python
