@@ -1,7 +1,7 @@
 """scripts/train_micro_ddp.py outside torchrun's comfort zone: srun without torchrun (issue 17, fault 11), and
 the same fallback in the scripts %ddp export writes; the end of a run on a loaded machine (fault 12: no rank may
-abort after final_loss); a PowerSGD run resumed from its checkpoint (issue 12); a run whose rank is killed
-mid-way, resumed from its --save-every checkpoint (issue 25)."""
+abort after final_loss); a PowerSGD run whose rank is killed mid-way, resumed from its --save-every checkpoint
+(issues 12 and 25)."""
 import importlib.util
 import os
 import re
@@ -156,40 +156,6 @@ def _assert_identical(a, b, where="checkpoint"):
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
-def test_powersgd_resume_is_the_uninterrupted_run_and_refuses_another_world_size(tmp_path):
-    """4 steps straight == 2 steps, checkpoint, resume for 2 (issue 12): weights, AdamW and every rank's PowerSGD
-    error feedback and Q, bit for bit. PowerSGD's state is per rank, so 1 rank may not resume 2 ranks' run."""
-    common = ["--compressor", "powersgd", "--global-batch-size", "8", "--micro-batch-size", "4", "--log-every", "1"]
-    straight, split = tmp_path / "straight.pt", tmp_path / "split.pt"
-    runs = {}
-    for what, args in [("straight", ["--steps", "4", "--checkpoint", straight]),
-                       ("first half", ["--steps", "2", "--checkpoint", split]),
-                       ("resumed", ["--steps", "4", "--checkpoint", split, "--resume"])]:
-        out, rc = _torchrun2(common + args, what)
-        assert rc == 0 and "final_loss=" in out, f"{what} run failed (exit {rc}):\n{out[-3000:]}"
-        runs[what] = out
-        if what == "first half":
-            half = torch.load(split, weights_only=True)
-    assert "resumed from" in runs["resumed"] and "at step 2" in runs["resumed"], runs["resumed"][-2000:]
-
-    errors = [rank_state["errors"] for rank_state in half["compressor"]]
-    assert len(errors) == 2 and errors[0], "the checkpoint must hold the PowerSGD error feedback of both ranks"
-    assert any(not torch.equal(errors[0][k], errors[1][k]) for k in errors[0]), \
-        "each rank has its own error feedback (its own gradient): the checkpoint must keep every rank's"
-    assert any(e.abs().max() > 0 for e in errors[0].values()), "after 2 steps the error feedback is not zero"
-
-    final_loss = [re.search(r"final_loss=(\S+)", runs[w]).group(1) for w in ("straight", "resumed")]
-    assert final_loss[0] == final_loss[1], f"the resumed run's last loss differs from the straight run's: {final_loss}"
-    _assert_identical(torch.load(straight, weights_only=True), torch.load(split, weights_only=True))
-
-    alone = subprocess.run([sys.executable, str(SCRIPT), *map(str, common), "--steps", "4", "--checkpoint", split,
-                            "--resume"], cwd=ROOT, env=torchrun_env(), stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=240)
-    assert alone.returncode != 0, f"1 rank resumed 2 ranks' PowerSGD state:\n{alone.stdout[-2000:]}"
-    assert "holds the powersgd state of 2 ranks, and this run has 1: resume with 2 processes" in alone.stderr, \
-        alone.stderr[-2000:]
-
-
 CRASH_STEPS = 60  # 10-40 ms a step here: the run is still going when rank 1 is killed after step 4
 
 
@@ -207,25 +173,17 @@ def _rank_pids(torchrun_proc):
     return ranks
 
 
-def test_a_run_killed_mid_way_resumes_from_its_save_every_checkpoint(tmp_path):
-    """The README's recipe: --save-every N writes the checkpoint during the run; a rank killed mid-run (SIGKILL, as
-    a crash or an OOM kill) ends the torchrun, and the same line plus --resume continues from the last checkpoint:
-    the same final loss and the same final checkpoint, bit for bit, as a run that never crashed."""
+def _killed_mid_way(script_args):
+    """The script on 2 ranks, rank 1 SIGKILLed (a crash, an OOM kill) as soon as rank 0 reports step 4, by
+    which time the --save-every 2 checkpoint of step 2 is on disk. Returns (output, exit code, killed pid)."""
     import signal
-
-    common = ["--steps", str(CRASH_STEPS), "--global-batch-size", "8", "--micro-batch-size", "4", "--log-every", "1"]
-    straight, crashed = tmp_path / "straight.pt", tmp_path / "crashed.pt"
-    out, rc = _torchrun2(common + ["--checkpoint", straight], "uninterrupted run")
-    assert rc == 0 and "final_loss=" in out, f"uninterrupted run failed (exit {rc}):\n{out[-3000:]}"
-    reference = re.search(r"final_loss=(\S+)", out).group(1)
 
     def crash(port):
         proc = start_torchrun("--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=127.0.0.1",
-                              f"--master-port={port}", "--node-rank=0", script=SCRIPT,
-                              script_args=common + ["--checkpoint", crashed, "--save-every", "2"])
+                              f"--master-port={port}", "--node-rank=0", script=SCRIPT, script_args=script_args)
         lines, killed = [], None
         try:
-            for line in proc.stdout:  # rank 0's "step 4" is printed once the step-2 checkpoint is on disk
+            for line in proc.stdout:
                 lines.append(line)
                 if killed is None and re.match(r"step +4 ", line):
                     killed = _rank_pids(proc)[1]
@@ -238,13 +196,41 @@ def test_a_run_killed_mid_way_resumes_from_its_save_every_checkpoint(tmp_path):
             raise PortClash(out[-500:])
         return out, proc.returncode, killed
 
-    out, rc, killed = retry_on_port_clash(crash)
+    return retry_on_port_clash(crash)
+
+
+def test_a_powersgd_run_killed_mid_way_resumes_bit_for_bit_and_refuses_another_world_size(tmp_path):
+    """The README's recipe (issues 12 and 25): --save-every N writes the checkpoint during the run; a rank killed
+    mid-run ends the torchrun; the same line plus --resume continues from the last checkpoint and ends on the
+    uninterrupted run's loss and checkpoint, bit for bit: weights, AdamW and every rank's PowerSGD error feedback
+    and Q. PowerSGD's state is per rank, so 1 rank may not resume 2 ranks' run."""
+    common = ["--compressor", "powersgd", "--global-batch-size", "8", "--micro-batch-size", "4", "--log-every", "1",
+              "--steps", str(CRASH_STEPS)]
+    straight, crashed = tmp_path / "straight.pt", tmp_path / "crashed.pt"
+    out, rc = _torchrun2(common + ["--checkpoint", straight], "uninterrupted run")
+    assert rc == 0 and "final_loss=" in out, f"uninterrupted run failed (exit {rc}):\n{out[-3000:]}"
+    reference = re.search(r"final_loss=(\S+)", out).group(1)
+
+    out, rc, killed = _killed_mid_way(common + ["--checkpoint", crashed, "--save-every", "2"])
     assert killed is not None, f"the run never reached step 4:\n{out[-3000:]}"
     assert rc != 0 and "final_loss=" not in out, f"killing rank 1 did not end the run (exit {rc}):\n{out[-3000:]}"
-    saved = torch.load(crashed, weights_only=True)["step"]
-    assert 2 <= saved < CRASH_STEPS and saved % 2 == 0, f"--save-every 2 left a checkpoint at step {saved}"
+    half = torch.load(crashed, weights_only=True)
+    assert 2 <= half["step"] < CRASH_STEPS and half["step"] % 2 == 0, \
+        f"--save-every 2 left a checkpoint at step {half['step']}"
+    errors = [rank_state["errors"] for rank_state in half["compressor"]]
+    assert len(errors) == 2 and errors[0], "the checkpoint must hold the PowerSGD error feedback of both ranks"
+    assert any(not torch.equal(errors[0][k], errors[1][k]) for k in errors[0]), \
+        "each rank has its own error feedback (its own gradient): the checkpoint must keep every rank's"
+    assert any(e.abs().max() > 0 for e in errors[0].values()), "after 2 steps the error feedback is not zero"
 
-    out, rc = _torchrun2(common + ["--checkpoint", crashed, "--save-every", "2", "--resume"], "resumed run")
-    assert rc == 0 and f"resumed from {crashed} at step {saved}" in out, f"exit {rc}:\n{out[-3000:]}"
+    resume = common + ["--checkpoint", crashed, "--save-every", "2", "--resume"]
+    alone = subprocess.run([sys.executable, str(SCRIPT), *map(str, resume)], cwd=ROOT, env=torchrun_env(),
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+    assert alone.returncode != 0, f"1 rank resumed 2 ranks' PowerSGD state:\n{alone.stdout[-2000:]}"
+    assert "holds the powersgd state of 2 ranks, and this run has 1: resume with 2 processes" in alone.stderr, \
+        alone.stderr[-2000:]
+
+    out, rc = _torchrun2(resume, "resumed run")
+    assert rc == 0 and f"resumed from {crashed} at step {half['step']}" in out, f"exit {rc}:\n{out[-3000:]}"
     assert re.search(r"final_loss=(\S+)", out).group(1) == reference, "the resumed run ends on another loss"
     _assert_identical(torch.load(straight, weights_only=True), torch.load(crashed, weights_only=True))
