@@ -12,6 +12,7 @@
 # use). A Linux laptop without a GPU gets the CPU-only build (a few hundred MB instead of several GB of CUDA libraries):
 #   make lab TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The version is pyproject.toml's one torch pin, installed first from that index; the course's packages follow.
+# It acts when the venv is set up: on a fresh machine, or after `make clean`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
