@@ -111,6 +111,7 @@ class MicroDDP(nn.Module):
 
     Set ``model.events = []`` to record a timeline (see ``plot_timeline``), ``None`` to stop.
     ``model.rebuild_buckets = False`` keeps the first layout (to compare timelines).
+    ``model.bucket_order()`` and ``load_bucket_order(names)`` carry the rebuilt layout through a checkpoint.
     """
 
     def __init__(self, module, bucket_cap_mb=25, compressor=None, process_group=None):
@@ -152,9 +153,26 @@ class MicroDDP(nn.Module):
         order = torch.tensor(self._ready_order, dtype=torch.long, device=self.buckets[0].buffer.device)
         src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         dist.broadcast(order, src, group=self.group)  # rank 0's order: every rank must build the same buckets
-        self._build(assign_buckets(self._params, self.bucket_cap_mb, order.tolist()))
+        self._order = order.tolist()
+        self._build(assign_buckets(self._params, self.bucket_cap_mb, self._order))
         self._rebuilt = True
         self._record("rebuilt")
+
+    def bucket_order(self):
+        """The grad-ready order the buckets were rebuilt in, as parameter names (None before the rebuild).
+
+        Put it in a checkpoint and give it to ``load_bucket_order`` on resume: the bucket layout fixes the
+        order in which a ring all-reduce adds each element's contributions (with more than 2 ranks), and
+        PowerSGD's message layout, so a resumed run that rebuilt its own buckets would differ in the last bits."""
+        return None if not self._rebuilt else [self._names[self._params[i]] for i in self._order]
+
+    def load_bucket_order(self, names):
+        """Build the buckets now in a saved ``bucket_order()`` (on every rank, before the first forward)."""
+        index = {self._names[p]: i for i, p in enumerate(self._params)}
+        self._order = [index[name] for name in names]
+        self._build(assign_buckets(self._params, self.bucket_cap_mb, self._order))
+        self._rebuilt = True
+        self._reset()
 
     def unwrap(self):
         """Remove this wrapper's hooks and return the module; the wrapper refuses to run afterwards."""

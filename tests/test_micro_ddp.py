@@ -497,3 +497,59 @@ def test_powersgd_warmup_counts_steps_not_buckets(cluster):
         f"2 warm-up steps exact, then compressed (not exact): {exact_steps}"
     assert on_cpu, "PowerSGD.state_dict() must hold CPU tensors (a checkpoint loads on any device)"
     assert counted, "reductions are counted per parameter (a bucket's first name changes at the rebuild)"
+
+
+@pytest.fixture(scope="module")
+def cluster4(make_cluster):
+    return make_cluster(4, timeout=120)
+
+
+def _resume_at_4_ranks(compressor, keep_layout):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from course_utils.gpt import CharTokenizer, get_batch, load_corpus, make_gpt
+    from course_utils.micro_ddp import MicroDDP
+
+    rank = dist.get_rank()
+    text = load_corpus()[:3000]
+    tok = CharTokenizer(text)
+    data = tok.encode(text)
+
+    def train(model, opt, start, stop):
+        for step in range(start, stop):
+            x, y = get_batch(data, step, rank, 4, 16, 16)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.module.parameters()]
+
+    def fresh(seed):
+        model = MicroDDP(make_gpt(tok.vocab_size, seed=seed, block_size=16, n_embd=32), compressor=compressor)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = fresh(0)
+    straight = train(model, opt, 0, 4)
+    model, opt = fresh(0)
+    train(model, opt, 0, 2)
+    state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+             "compressor": model.compressor.state_dict(), "bucket_order": model.bucket_order()}
+    model, opt = fresh(1)
+    model.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    model.compressor.load_state_dict(state["compressor"])
+    if keep_layout:
+        model.load_bucket_order(state["bucket_order"])
+    resumed = train(model, opt, 2, 4)
+    return max((a - b).abs().max().item() for a, b in zip(straight, resumed))
+
+
+def test_resume_at_4_ranks_is_bit_exact_only_with_the_bucket_order(cluster4):
+    """Issue 23: at 4 ranks the bucket layout fixes gloo's summation order (and PowerSGD's message layout), so
+    a resumed PowerSGD run equals the uninterrupted one to the last bit only if the checkpoint keeps the
+    rebuilt bucket order."""
+    kept = cluster4.run(_resume_at_4_ranks, "powersgd", True)
+    assert kept == [0.0] * 4, f"with the saved bucket order the resumed run must be bit-identical: {kept}"
+    lost = cluster4.run(_resume_at_4_ranks, "powersgd", False)[0]
+    assert lost > 0, "without it the resumed run rebuilds its own buckets, which should change the last bits here"
