@@ -154,12 +154,19 @@ def forgets_the_last_backward(stage, num_stages, num_microbatches):
     return [("F", i) for i in range(num_microbatches)] + [("B", i) for i in range(num_microbatches - 1)]
 
 
+def depends_on_the_calling_rank(stage, num_stages, num_microbatches):   # rank 1 alone sees a deadlock
+    if dist.get_rank() == 1 and stage == 0:
+        return one_by_one(stage, num_stages, num_microbatches)
+    return [("F", i) for i in range(num_microbatches)] + [("B", i) for i in range(num_microbatches)]
+
+
 WRONG_SCHEDULES = {
     one_by_one: ["idle", "do not overlap"],
     first_stage_does_not_wait: ["deadlocks", "stage 0 waits to receive the gradient of micro-batch 0"],
     backward_in_reverse_on_odd_stages: ["different orders", "silently"],
     backward_before_forward: ["runs backward before its forward"],
     forgets_the_last_backward: ["exactly once", "missing [0]"],
+    depends_on_the_calling_rank: ["(seen on rank 1)", "deadlocks"],
 }
 
 

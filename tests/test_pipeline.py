@@ -1,6 +1,6 @@
 """course_utils.pipeline (14_beyond_data_parallelism): the schedules, the simulator and the runtime, on models the
-lesson never shows. A pipelined step's output (the loss) and every gradient equal one process's on 2 and 4 real
-gloo ranks, under GPipe and 1F1B.
+lesson never shows. A pipelined step's output (the last stage's), its loss and every gradient equal one
+process's on 2 and 4 real gloo ranks, under GPipe and 1F1B.
 
     .venv/bin/python -m pytest tests/test_pipeline.py
 """
@@ -89,13 +89,20 @@ def _mlp_chain_matches(schedule_name, m):
     ref_loss = F.mse_loss(reference(x), y)
     ref_loss.backward()
     stage = nn.Sequential(*split_layers(layers, p)[rank])
+    outputs = []
+
+    def loss_fn(out, t):                       # keeps the pipeline's output: the last stage's, per micro-batch
+        outputs.append(out.detach())
+        return F.mse_loss(out, t)
+
     with ActivationPeak(exclude=stage.parameters()) as meter:
         loss, events = run_schedule(stage, SCHEDULES[schedule_name](rank, p, m), stage=rank, num_stages=p,
-                                    inputs=list(x.chunk(m)), targets=list(y.chunk(m)), loss_fn=F.mse_loss,
+                                    inputs=list(x.chunk(m)), targets=list(y.chunk(m)), loss_fn=loss_fn,
                                     act_shape=(6, 10))
     assert meter.live == 0 and meter.peak > 0
     assert len(events) == 2 * m
     if rank == p - 1:
+        torch.testing.assert_close(torch.cat(outputs), reference(x).detach(), **TOL)   # forwards run in order
         torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
     else:
         assert loss is None
@@ -117,19 +124,24 @@ def _gpt_matches(schedule_name, m):
     rank, p = dist.get_rank(), dist.get_world_size()
     kw = dict(block_size=10, n_layer=6, n_head=3, n_embd=24)
 
+    outputs = []
+
     def loss_fn(logits, t):
+        outputs.append(logits.detach())
         return F.cross_entropy(logits.flatten(0, 1), t.flatten())
 
     g = torch.Generator().manual_seed(9)
     x, y = torch.randint(31, (2 * m, 10), generator=g), torch.randint(31, (2 * m, 10), generator=g)
     reference = make_gpt(31, seed=8, **kw)
-    ref_loss = loss_fn(reference(x), y)
+    ref_logits = reference(x)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), y.flatten())
     ref_loss.backward()
     model = make_gpt(31, seed=8, **kw)
     stage = gpt_stage(model, rank, p)
     loss, _ = run_schedule(stage, SCHEDULES[schedule_name](rank, p, m), stage=rank, num_stages=p,
                            inputs=list(x.chunk(m)), targets=list(y.chunk(m)), loss_fn=loss_fn, act_shape=(2, 10, 24))
     if rank == p - 1:
+        torch.testing.assert_close(torch.cat(outputs), ref_logits.detach(), **TOL)
         torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
     mine = {id(q) for q in stage.parameters()}
     want = dict(reference.named_parameters())

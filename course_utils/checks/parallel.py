@@ -17,12 +17,15 @@ TOL = 1e-5
 
 
 def _agree(problem):
-    """Every rank's problem (or None) gathered: the verdict is the first rank's, the same on every rank."""
+    """Every rank's problem (or None) gathered: the verdict is the first rank's that found one (named when the
+    ranks disagree), the same on every rank."""
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
+    if len(set(problems)) == 1:                 # every rank saw the same (or nothing): no rank to name
+        return problems[0]
     for r, p in enumerate(problems):
         if p:
-            return p if dist.get_world_size() == 1 else f"(seen on rank {r}) {p}"
+            return f"(seen on rank {r}) {p}"
     return None
 
 
@@ -112,12 +115,13 @@ def check_row_parallel_backward(backward):
 
 
 # -- exercise 2: a GPipe schedule ------------------------------------------------------------------------------
-def _schedule_problem(schedule, p, m):
-    """What is wrong with ``schedule`` for ``p`` stages and ``m`` micro-batches, without running anything."""
+def _schedule_problem(schedule, p, m, given=None):
+    """What is wrong with ``schedule`` for ``p`` stages and ``m`` micro-batches, without running anything.
+    ``given``: the stages' lists of actions, already computed (then ``schedule`` is not called)."""
     schedules = []
     for s in range(p):
         try:
-            actions = schedule(s, p, m)
+            actions = schedule(s, p, m) if given is None else given[s]
         except NotImplementedError as exc:
             return (f"your schedule is not written yet (NotImplementedError: {exc}). Write it, then run the "
                     "cell again.")
@@ -173,19 +177,34 @@ def check_pipeline_schedule(schedule, num_microbatches=4):
     Introduced in 14_beyond_data_parallelism. First simulated for 2 and 4 stages and 1, 3 and 8 micro-batches
     (no process sends anything, so a deadlock is reported instead of hanging): every micro-batch forward and
     backward once per stage, backward after forward, no deadlock, the messages between two stages in one order,
-    and an idle fraction no larger than GPipe's (p - 1) / (m + p - 1). Then run for real on this world's ranks,
-    the tiny GPT cut into world-size stages: the loss and every gradient equal one process's within 1e-5."""
+    and an idle fraction no larger than GPipe's (p - 1) / (m + p - 1). Then the lists the ranks will run are
+    simulated as they are, and run for real on this world's ranks, the tiny GPT cut into world-size stages: the
+    output (the last stage's logits), the loss and every gradient equal one process's within 1e-5."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     if ws < 2:
         raise AssertionError("check_pipeline_schedule needs 2 or more ranks: run it in a %%ddp cell")
     for p in (2, 4):
         for m in (1, 3, 8):
-            problem = _schedule_problem(schedule, p, m)   # the same verdict on every rank: no gathering needed
+            problem = _agree(_schedule_problem(schedule, p, m))   # agreed, in case it depends on the caller's rank
             if problem:
                 raise AssertionError(problem)
     problem = _agree(_schedule_problem(schedule, ws, num_microbatches))
     if problem:
         raise AssertionError(problem)
+    # the lists the ranks will run, simulated once more as they are: a schedule that answers differently when
+    # called again (randomness, global state) cannot slip a deadlock past the simulation into the real run
+    try:
+        mine = [(str(k), int(i)) for k, i in schedule(rank, ws, num_microbatches)]
+    except Exception:  # noqa: BLE001 (the verdict below explains it)
+        mine = None
+    lists = [None] * ws
+    dist.all_gather_object(lists, mine)
+    if any(actions is None for actions in lists):
+        raise AssertionError(f"schedule(stage, {ws}, {num_microbatches}) raised when it was called again for the "
+                             "real run: make it depend only on its arguments.")
+    problem = _schedule_problem(schedule, ws, num_microbatches, given=lists)
+    if problem:
+        raise AssertionError(f"called again for the real run, your schedule gave other lists: {problem}")
     from course_utils.gpt import make_gpt
 
     vocab, micro, T = 20, 2, 8
@@ -202,13 +221,25 @@ def check_pipeline_schedule(schedule, num_microbatches=4):
     ref_loss.backward()
     model = make_gpt(vocab, seed=3, **kw)
     stage = gpt_stage(model, rank, ws)
-    loss, _ = run_schedule(stage, [(str(k), int(i)) for k, i in schedule(rank, ws, num_microbatches)],
-                           stage=rank, num_stages=ws, inputs=list(x.chunk(num_microbatches)),
-                           targets=list(y.chunk(num_microbatches)), loss_fn=loss_fn, act_shape=(micro, T, 16))
+    outputs = []
+
+    def recording_loss(logits, t):                 # the last stage's output, kept for the comparison
+        outputs.append(logits.detach())
+        return loss_fn(logits, t)
+
+    ref_logits = reference(x).detach()
+    loss, _ = run_schedule(stage, lists[rank], stage=rank, num_stages=ws, inputs=list(x.chunk(num_microbatches)),
+                           targets=list(y.chunk(num_microbatches)), loss_fn=recording_loss,
+                           act_shape=(micro, T, 16))
     want = dict(reference.named_parameters())
     problem = None
     if loss is not None and not torch.allclose(loss, ref_loss.detach(), rtol=TOL, atol=TOL):
         problem = f"the pipeline's loss {loss.item():.6f} differs from one process's {ref_loss.item():.6f}."
+    if problem is None and rank == ws - 1:
+        order = [i for kind, i in lists[rank] if kind == "F"]
+        got = torch.cat([outputs[order.index(i)] for i in range(num_microbatches)])
+        if not _close(got, ref_logits):
+            problem = "the pipeline's output (the last stage's logits) differs from one process's."
     for name, param in stage.named_parameters():
         full = next(n for n, q in model.named_parameters() if q is param)
         if problem is None and not _close(param.grad, want[full].grad):
@@ -218,5 +249,5 @@ def check_pipeline_schedule(schedule, num_microbatches=4):
         raise AssertionError(problem)
     if rank == 0:
         print(f"check_pipeline_schedule: no deadlock and no more idle time than GPipe's bound for 2 and 4 stages, "
-              f"1, 3 and 8 micro-batches (simulated); on {ws} stages with {num_microbatches} micro-batches the loss "
-              f"and every gradient equal one process's within {TOL:g}.")
+              f"1, 3 and 8 micro-batches (simulated); on {ws} stages with {num_microbatches} micro-batches the output, "
+              f"the loss and every gradient equal one process's within {TOL:g}.")
