@@ -28,7 +28,6 @@ class _Missing:
 
 
 MISSING = _Missing()
-END_MARK = b"\x00course_utils-end:"  # written to a worker's stdout/stderr after each command, then run id, newline
 
 
 def _named_code(args, filename):

@@ -10,6 +10,7 @@ rendezvous store and the backend's connections, all on 127.0.0.1.
 """
 import _signal
 import contextlib
+import itertools
 import math
 import os
 import secrets
@@ -104,48 +105,38 @@ class _Rank:
         self.frames = _wire.FrameReader()
         self.partial = {"stdout": b"", "stderr": b""}
         self.lines = {"stdout": [], "stderr": []}
-        self.ended = {"stdout": 0, "stderr": 0}  # last run id whose end mark arrived
+        self.closed = set()  # stream fds at EOF (the rank closed or redirected its fd 1 or 2): never polled again
         self.last_line = ""
         self.progress = None
         self.dead = False
 
     def fds(self):
-        return [self.res_r, *self.streams]
+        return [self.res_r, *(fd for fd in self.streams if fd not in self.closed)]
 
     def send(self, msg):
         _wire.write_all(self.cmd_w, _wire.dump(msg))
 
     def feed_stream(self, name, data):
-        buf = self.partial[name] + data
-        while True:
-            cut = buf.find(_wire.END_MARK)
-            if cut < 0:
-                break
-            end = buf.find(b"\n", cut)
-            if end < 0:
-                break
-            digits = buf[cut + len(_wire.END_MARK):end]
-            if not digits.isdigit():  # the learner's own bytes that happen to look like the mark: text
-                self._add_final(name, buf[:end])
-                buf = buf[end + 1:]
-                continue
-            self._add_final(name, buf[:cut])
-            self.ended[name] = int(digits)
-            buf = buf[end + 1:]
-        *whole, rest = buf.split(b"\n")
+        *whole, rest = (self.partial[name] + data).split(b"\n")
         for line in whole:
             self._add_line(name, line)
         self.partial[name] = rest
 
-    def _add_final(self, name, data):
-        """The last output of a command: whole lines, blank ones included; a final newline ends them."""
-        if not data:
-            return
-        lines = data.split(b"\n")
-        if lines[-1] == b"":
-            lines.pop()
-        for line in lines:
-            self._add_line(name, line)
+    def drain_streams(self):
+        """Read the stream pipes until they are empty. Called once the rank said it is done: whatever it
+        wrote before that (it flushes first) is in the pipes now, so no end mark is needed."""
+        for fd, name in self.streams.items():
+            while fd not in self.closed:
+                try:
+                    data = os.read(fd, 1 << 20)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    data = b""
+                if not data:
+                    self.closed.add(fd)
+                    break
+                self.feed_stream(name, data)
 
     def _add_line(self, name, raw):
         text = raw.decode("utf-8", "replace").rstrip("\r").split("\r")[-1]
@@ -218,9 +209,13 @@ def _spawn(world_size, backend, pg_timeout, group=True):
                         fds["listen"] = listener.fileno()
                     try:
                         proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
-                    except Exception as exc:  # the server is gone or broken: fresh interpreters from now on
-                        _forkstart.fail(f"{type(exc).__name__}: {exc}")
-                        _forkstart.context()
+                    except Exception as exc:  # the server is gone or broken: a new one, once; then fresh interpreters
+                        ctx = _forkstart.restart(f"{type(exc).__name__}: {exc}")
+                        if ctx is not None:
+                            try:
+                                proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
+                            except Exception as again:
+                                _forkstart.restart(f"{type(again).__name__}: {again}")
                 if proc is None:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
@@ -278,6 +273,9 @@ def _shutdown(ranks):
     _kill(ranks)
 
 
+_SERIALS = itertools.count(1)
+
+
 class Cluster:
     """A persistent pool of ``world_size`` ranks with torch.distributed initialised.
 
@@ -292,6 +290,7 @@ class Cluster:
     """
 
     def __init__(self, world_size=2, backend="auto", timeout=60, *, _group=True):
+        self.serial = next(_SERIALS)  # which cluster this is, never reused (unlike id())
         self.backend = choose_backend(backend, world_size)
         self.requested_backend = backend
         self.world_size = world_size
@@ -506,6 +505,9 @@ class Cluster:
         if fd != rk.res_r:
             if data:
                 rk.feed_stream(rk.streams[fd], data)
+            else:  # EOF: the rank closed or redirected this fd (os.dup2(devnull, 1)); POLLHUP would spin
+                rk.closed.add(fd)
+                self._forget_selector()
             return
         if not data:
             self._mark_dead(rk)  # the worker's end closed: it exited
@@ -516,6 +518,7 @@ class Cluster:
             if m[0] == "progress":
                 rk.progress = m[1:]  # (desc, i, total)
             elif m[0] == "done":  # kept per run, whichever loop happens to read it
+                rk.drain_streams()  # what the rank wrote before it said so is in its pipes already
                 self._done.setdefault(m[1], {}).setdefault(rk.rank, (m[3], m[4]))
             else:
                 self._inbox.append((rk, m))
@@ -609,8 +612,7 @@ class Cluster:
                 while True:  # the hot loop of every cell: written out, not through _pump_until
                     if first_error is None and len(results) and not all(ok for ok, _ in results.values()):
                         first_error = time.monotonic()
-                    pending = [rk for rk in ranks if not (rk.rank in results and rk.ended["stdout"] >= run_id
-                                                          and rk.ended["stderr"] >= run_id)]
+                    pending = [rk for rk in ranks if rk.rank not in results]
                     if not pending or any(rk.dead for rk in pending):
                         break
                     now = time.monotonic()
@@ -639,7 +641,7 @@ class Cluster:
 
     @staticmethod
     def _complete(rk, results, run_id):
-        return rk.rank in results and rk.ended["stdout"] >= run_id and rk.ended["stderr"] >= run_id
+        return rk.rank in results
 
     def _close_live(self):
         live, self._live = self._live, None
@@ -650,6 +652,7 @@ class Cluster:
         """Print every rank's output, grouped in rank order, so the stored output is deterministic."""
         self._close_live()
         for rk in self._ranks:
+            rk.drain_streams()
             rk.flush_partial()
         held, self._held = self._held, []
         merged = {}

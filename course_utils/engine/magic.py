@@ -19,12 +19,13 @@ from course_utils.engine.progress import bar
 
 _CLUSTER = None
 _CELLS = []  # for export: (session, "cell", options, source) of each %%ddp cell run successfully and
-#              (session, "push", name, pickled value) of each %ddp push; session = (cluster id, restarts, size)
+#              (session, "push", name, pickled value) of each %ddp push;
+#              session = (cluster serial, restarts, size, backend): a serial, since an id() is reused
 
 
 def _session(cluster):
     """Which set of ranks ran a cell: names from another session were gone for it."""
-    return id(cluster), cluster.restarts, cluster.world_size
+    return cluster.serial, cluster.restarts, cluster.world_size, cluster.backend
 
 
 def shutdown_cluster():
@@ -233,7 +234,7 @@ class DDPMagics(Magics):
             last = _CELLS[-1][0]
             kept = [item[1:] for item in _CELLS if item[0] == last]
             left_out = sum(1 for item in _CELLS if item[0] != last and item[1] == "cell")
-            write_script(rest[0], kept, world_size=last[2], left_out=left_out)
+            write_script(rest[0], kept, world_size=last[2], left_out=left_out, backend=last[3])
             cells = sum(1 for item in kept if item[0] == "cell")
             extra = f" (left out: {left_out} cell(s) run on ranks replaced since)" if left_out else ""
             print(f"wrote {cells} %%ddp cells to {rest[0]}{extra}; "
