@@ -57,6 +57,8 @@ class _CPUPickler(Pickler):
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            if isinstance(obj, torch.nn.Parameter):  # stays a Parameter, as pickle keeps it on the CPU
+                return torch.nn.Parameter, (obj.detach().to("cpu"), obj.requires_grad)
             return _same, (obj.detach().to("cpu"),)
         return super().reducer_override(obj)
 

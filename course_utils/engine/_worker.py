@@ -323,6 +323,22 @@ class Worker:
             self.retired, older = groups, self.retired  # the groups before: their work ended long ago
             del older
 
+    def abort_nccl(self):
+        """On NCCL a rank waits in a GPU kernel, which neither a cut socket nor SIGINT reaches: abort its
+        communicators the way torch 2.13 provides (distributed_c10d._abort_process_group, every group of
+        the default one), so the kernels end and the host's wait returns with an error. Not run in CI
+        (no GPU there); make test-gpu runs it."""
+        if self.backend != "nccl":
+            return
+        try:
+            import torch.distributed as dist
+            import torch.distributed.distributed_c10d as c10d
+
+            if dist.is_initialized():
+                c10d._abort_process_group()
+        except Exception:
+            pass
+
     def cut_peer_connections(self):
         """Shut down this rank's TCP connections to the other ranks (not those to the store), so
         that ranks waiting for us in a collective get an error now. Destroying the process group
@@ -371,6 +387,7 @@ class Worker:
                     "where": _where(stack),
                 }))
             elif kind == "abort":  # drop our connections so that every rank stuck in a collective errors out
+                self.abort_nccl()
                 if not self.manage_group:
                     self.cut_peer_connections()
                 elif self.busy:
@@ -520,7 +537,8 @@ class Worker:
         self.settle()
         signal.signal(signal.SIGINT, self.on_sigint)
         for fd in (self.cmd_fd, self.channel.res_fd, self.listen_fd):
-            if fd >= 0:  # a process the learner forks or starts must not hold the engine's pipes
+            if fd >= 0:  # a program the learner starts (exec) does not inherit them; a fork still holds
+                # them, which is why the notebook also polls each rank's exit instead of waiting for EOF
                 os.set_inheritable(fd, False)
         hello = _wire.recv(self.cmd_fd)  # ("hello", secret): private, unlike the environment
         self.secret = hello[1]
@@ -533,6 +551,9 @@ class Worker:
         except BaseException as exc:
             self.channel.send(("ready", self.rank, False, _error_info(exc)))
             return
+        hold = float(os.environ.get("COURSE_UTILS_TEST_HOLD_START_S") or 0)  # the tests: a start slow enough to stop
+        if hold:
+            time.sleep(hold)
         self.channel.send(("ready", self.rank, True, {"pid": os.getpid()}))
         while True:
             try:

@@ -26,11 +26,13 @@ import weakref
 
 from course_utils.engine import _forkstart, _wire
 from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: public, re-exported)
-    DistributedError, DistributedTimeout, dead_error, hide_cpp_frames, plural, rank_error, timeout_error)
+    DistributedError, DistributedTimeout, dead_error, hide_cpp_frames, interrupt_error, plural, rank_error,
+    timeout_error)
 
 BACKENDS = ("auto", "gloo", "nccl")
 ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own
 RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
+DEAD_TOGETHER_S = 0.5  # after a rank dies, how long the report waits for others that die with it
 START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
 PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
 POLL_S = 0.1           # how often the loop asks the OS whether a rank exited
@@ -290,6 +292,9 @@ class Cluster:
     """
 
     def __init__(self, world_size=2, backend="auto", timeout=60, *, _group=True):
+        if sys.platform == "win32":
+            raise RuntimeError("native Windows is not supported: the engine hands its ranks pipes by file "
+                               "descriptor, which Windows cannot do. Run the course in WSL 2 (make lab there).")
         self.serial = next(_SERIALS)  # which cluster this is, never reused (unlike id())
         self.backend = choose_backend(backend, world_size)
         self.requested_backend = backend
@@ -595,7 +600,10 @@ class Cluster:
             self.restart()
         with self._sigint_deferred():
             if self._group and self._pg_timeout < self._pg_timeout_for(timeout):  # a long --timeout: the
-                self._rebuild_group(self._pg_timeout_for(timeout))            # backend must not give up first
+                if not self._rebuild_group(self._pg_timeout_for(timeout)):    # backend must not give up first
+                    self._replace(start=True)  # a rank could not join the new group: fresh ranks, said so
+                    print("note: the ranks could not rebuild their process group for the longer --timeout and "
+                          "were replaced; names you defined on them are gone.", file=sys.stderr)
             for rk in self._ranks:  # the live status shows this cell's lines only
                 rk.progress, rk.last_line = None, ""
             self._run_id += 1
@@ -629,9 +637,12 @@ class Cluster:
                 if dead:
                     raise self._report("dead", run_id, only_rank, dead=dead)
             except KeyboardInterrupt:
+                snapshot = dict(self._done.get(run_id, {}))
+                running = [rk for rk in self._ranks if rk.rank not in snapshot and not rk.dead]
+                stacks = self._stacks(running) if running else {}
                 note = self._recover(run_id, interrupt=True)
                 self._show(only_rank)
-                raise KeyboardInterrupt(f"interrupted: every rank stopped. {note}") from None
+                raise interrupt_error(self.world_size, snapshot, stacks, note) from None
             finally:
                 self._close_live()
             if any(not ok for ok, _ in results.values()) or len(results) < self.world_size:
@@ -737,6 +748,15 @@ class Cluster:
         """Snapshot, stacks of the ranks still running, recovery, output, then the report."""
         __tracebackhide__ = True
         if kind == "dead":
+            alive = [rk for rk in self._ranks if not rk.dead]
+            deadline = time.monotonic() + DEAD_TOGETHER_S  # ranks that die together are named together
+            while alive and time.monotonic() < deadline:
+                for rk in alive:
+                    if rk.proc.poll() is not None:
+                        self._mark_dead(rk)
+                alive = [rk for rk in alive if not rk.dead]
+                time.sleep(0.05)
+            dead = [rk for rk in self._ranks if rk.dead and not self._complete(rk, self._done.get(run_id, {}), run_id)]
             for rk in dead:
                 try:
                     rk.proc.wait(timeout=2)
@@ -755,7 +775,7 @@ class Cluster:
         note = self._recover(run_id)
         self._show(only_rank)
         if kind == "timeout":
-            return timeout_error(self.world_size, results, stacks, timeout, note)
+            return timeout_error(self.world_size, results, stacks, timeout, note, backend=self.backend)
         return rank_error(self.world_size, results, stacks, note)
 
 

@@ -67,7 +67,7 @@ class LiveView:
         """Shown while fresh ranks import torch (seconds), so a first cell is not silent."""
         from IPython.display import display
 
-        text = f"starting {world_size} ranks (fresh Python interpreters importing torch)..."
+        text = f"starting {world_size} ranks..."
         self.handle = display({"text/plain": text}, raw=True, display_id=True)
 
     def update(self, ranks, elapsed):
@@ -151,7 +151,8 @@ def _cluster_for(world_size=None, backend=None, live=None):
     global _CLUSTER
     c, note, size = _CLUSTER, None, world_size
     if c is not None and ((world_size is not None and world_size != c.world_size)
-                          or (backend is not None and backend != c.requested_backend)):
+                          or (backend is not None and launcher.choose_backend(backend, world_size or c.world_size)
+                              != c.backend)):  # the backend chosen, not the word typed: auto may be gloo
         size = world_size or c.world_size
         backend = backend or c.requested_backend
         launcher.choose_backend(backend, size)  # bad input raises here, before the old ranks are stopped
