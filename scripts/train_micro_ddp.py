@@ -38,6 +38,7 @@ import re
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group: see the comment in setup()
 import torch.nn.functional as F
 
 from course_utils.gpt import CharTokenizer, get_batch, load_checkpoint, load_corpus, make_gpt, save_checkpoint
@@ -87,7 +88,16 @@ def choose_device(local_rank, local_world_size, gpus):
 
 
 def setup():
-    """rank, world_size, local_rank, device from torchrun's environment (or srun's, or a lone process)."""
+    """rank, world_size, local_rank, device from torchrun's environment (or srun's, or a lone process).
+
+    torch.distributed.nn is imported above, before the group exists, on purpose (torch 2.13): its
+    functions take ``group=group.WORLD`` as a default argument, evaluated at import. Imported after
+    init_process_group (torch._dynamo imports it, and the first torch.optim optimizer imports
+    torch._dynamo), those defaults hold the default group for good: destroy_process_group() cannot
+    free it, and its gloo threads live on into interpreter shutdown, where one that drops a finished
+    work needs the GIL and aborts the rank ("terminate called without an active exception",
+    SIGABRT after final_loss; about 1 run in 10-30 on 4 ranks). Imported first, the defaults are None.
+    """
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         return 0, 1, 0, torch.device("cpu")

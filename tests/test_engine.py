@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import alive, children_of
+from conftest import alive
 from course_utils import Cluster, DistributedError, DistributedTimeout, launch
 from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
@@ -97,7 +97,8 @@ def test_ranks_are_forks_of_the_torch_server_or_fresh_interpreters(cluster4):
         assert "multiprocessing.forkserver" in " ".join(server.cmdline())
     else:
         assert parents == {os.getpid()}
-        assert cluster4.run("import sys\nsys.modules['__main__'].__spec__.name") == ["course_utils.engine._worker"] * 4
+        # run as `python -m course_utils.engine._worker`: the engine's module was the interpreter's main
+        assert cluster4.run("import sys\nsys.modules['course_utils.engine._worker'].__name__") == ["__main__"] * 4
 
 
 def test_each_rank_runs_with_its_share_of_the_cores_and_blas_works(make_cluster):
@@ -176,26 +177,12 @@ def test_ranks_are_released_after_torch_dynamo_is_imported(cluster4):
     assert "rank 0: then raised" in str(info.value) and "names you defined are kept" in str(info.value)
 
 
-SLOW_DYNAMO_IMPORT = (
-    "import importlib.abc, sys, time\n"
-    "class SlowImport(importlib.abc.MetaPathFinder):  # holds up torch._dynamo's import once its utils are in\n"
-    "    def find_spec(self, name, path, target=None):\n"
-    "        utils = sys.modules.get('torch._dynamo.utils')\n"
-    "        if utils is not None and not utils.__spec__._initializing and not getattr(self, 'slept', False):\n"
-    "            self.slept = True\n"
-    "            time.sleep(2.5)\n"
-    "        return None\n"
-    "sys.meta_path.insert(0, SlowImport())\n"
-    "import torch._dynamo\n")
-
-
-def test_a_timeout_during_the_first_import_of_torch_dynamo_leaves_ddp_working():
-    # DDP's constructor imports torch._dynamo lazily; a stop in the middle of that import used to
-    # leave it half-registered, and every later DDP on the rank failed. The stop now waits for the
-    # import (or the rank is replaced).
+def test_torch_dynamo_is_imported_before_the_first_cell_and_ddp_works():
+    # DDP's constructor and the first optimizer import torch._dynamo lazily: a stop in the middle of that
+    # import used to leave it half-registered (every later DDP on the rank failed), and imported after
+    # init_process_group it kept the group alive. The ranks import it before their group exists.
     with Cluster(world_size=2, backend="gloo") as cluster:
-        with pytest.raises(DistributedTimeout):
-            cluster.run(SLOW_DYNAMO_IMPORT, timeout=1.0)
+        assert cluster.run("import sys\n'torch._dynamo' in sys.modules") == [True, True]
         assert cluster.run("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
                            "type(model).__name__") == ["DistributedDataParallel"] * 2
 
@@ -230,7 +217,7 @@ def test_a_deadlock_is_released_without_losing_names(cluster4):
                      "dist.recv(buf, src=(rank + 1) % world_size)", timeout=3)
     assert "rank 0: stuck in recv()" in str(info.value)
     assert "names you defined are kept" in str(info.value)
-    stack = str(info.value).split("Python stack of rank 0", 1)[1]
+    stack = str(info.value).split("Python stack of ranks 0, 1, 2, 3", 1)[1]  # one stack, shared by all
     assert "multiprocessing" not in stack and '"<string>"' not in stack, "the stack starts at the learner's cell"
     assert cluster4.pull("kept_through_deadlock") == [0, 1, 2, 3]
 
@@ -282,7 +269,8 @@ def test_skipped_collective_times_out_with_stacks_and_recovers(cluster4):
     text = str(e)
     assert "ranks 0, 1, 2 did not finish within 3 s" in text and "rank 3 finished" in text
     assert "rank 0: stuck in barrier()" in text
-    assert "Python stack of rank 1" in text and "distributed_c10d.py" in text
+    assert text.count("Python stack of") == 1, "the three stuck ranks share one stack: printed once"
+    assert "Python stack of ranks 0, 1, 2" in text and "distributed_c10d.py" in text
     assert cluster4.run("rank") == [0, 1, 2, 3]
     assert cluster4.run("persisted") == [100, 101, 102, 103]
 
@@ -403,25 +391,6 @@ def test_interrupt_during_a_large_push_keeps_the_ranks_and_their_names(make_clus
     pids = list(c.pids)
     assert c.run("kept_through_stop", timeout=120) == [0, 1]
     assert c.pids == pids and c.pull("big") == [b"x" * (8 << 20)] * 2, "the whole frame arrived"
-
-
-def test_interrupt_while_the_ranks_start_leaves_none_running():
-    before = set(children_of(os.getpid()))
-    made = []
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            made.append(Cluster(world_size=2, backend="gloo"))
-            time.sleep(30)  # the stop lands here if the ranks started within 0.3 s
-    finally:
-        timer.cancel()
-        for c in made:
-            c.shutdown()
-    if made:
-        pytest.skip("the ranks started before the stop arrived: nothing to test on this machine")
-    new = set(children_of(os.getpid())) - before
-    assert not new, f"ranks left running after a stop during start: {new}"
 
 
 def test_a_cluster_created_in_a_thread_survives_the_thread():

@@ -16,7 +16,13 @@ import subprocess
 import sys
 import threading
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.distributed_c10d", "cloudpickle",
+# torch._dynamo (which imports torch.distributed.nn) before any rank has a process group: imported
+# later, by the first optimizer or DDP, torch.distributed.nn's `group=group.WORLD` default arguments
+# capture the live group and keep it, and its gloo threads, alive after destroy_process_group()
+# (see scripts/train_micro_ddp.py's setup()). It also saves each rank that import (about 1 s), and
+# starts no threads.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn",
+           "torch._dynamo", "cloudpickle",
            "course_utils.engine._wire", "course_utils.engine._worker", "course_utils.engine._forkstart"]
 
 _SERVER_OF = "COURSE_UTILS_FORK_SERVER_OF"
@@ -41,7 +47,35 @@ def _end_with_the_notebook():
 if os.environ.get(_SERVER_OF) and multiprocessing.parent_process() is None and os.getppid() == int(
         os.environ[_SERVER_OF]):
     _end_with_the_notebook()
-_state = {"ctx": None, "failed": None, "noted": False}
+_state = {"ctx": None, "failed": None, "noted": False, "restarted": False}
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Jupyter's stop button signals the kernel's whole process group, and the server is in it: a
+    server started with SIGINT ignored keeps ignoring it (Python installs its own handler only over
+    the default one), also while it imports torch, so an early stop cannot kill it."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _ensure_running():
+    from multiprocessing import forkserver
+
+    os.environ[_SERVER_OF] = str(os.getpid())  # read by this module, imported in the server
+    try:
+        with _sigint_ignored():
+            forkserver.ensure_running()  # (re)starts it if needed; imports happen in the server, in the background
+    finally:
+        os.environ.pop(_SERVER_OF, None)
 
 
 def wanted():
@@ -62,20 +96,14 @@ def context():
                     raise OSError("this system has no forkserver start method")
                 ctx = multiprocessing.get_context("forkserver")
                 ctx.set_forkserver_preload(PRELOAD)
-                from multiprocessing import forkserver
-
-                os.environ[_SERVER_OF] = str(os.getpid())  # read by this module, imported in the server
-                try:
-                    forkserver.ensure_running()  # imports happen in the server, in the background
-                finally:
-                    os.environ.pop(_SERVER_OF, None)
+                _ensure_running()
                 _state["ctx"] = ctx
             except Exception as exc:  # an unusual platform: fresh interpreters, said once
-                _state["failed"] = f"{type(exc).__name__}: {exc}"
+                _state["failed"] = f"could not start ({type(exc).__name__}: {exc})"
         if _state["failed"] is not None and not _state["noted"]:
             _state["noted"] = True
-            print(f"note: the ranks start as fresh interpreters (slower): the fork server could not start "
-                  f"({_state['failed']}).", file=sys.stderr)
+            print(f"note: the ranks start as fresh interpreters from now on (slower): the fork server "
+                  f"{_state['failed']}.", file=sys.stderr)
         return _state["ctx"]
 
 
@@ -87,10 +115,19 @@ def prestart():
         pass
 
 
-def fail(reason):
-    """The server failed to fork a rank: fall back for the rest of this process."""
+def restart(reason):
+    """The server failed to fork a rank (it died, e.g. killed): start a new one, once per process, and
+    return its context; after that, or if the restart fails, fall back to fresh interpreters (None)."""
     with _lock:
-        _state["ctx"], _state["failed"] = None, reason
+        if _state["ctx"] is not None and not _state["restarted"]:
+            _state["restarted"] = True
+            try:
+                _ensure_running()
+                return _state["ctx"]
+            except Exception as exc:
+                reason = f"{reason}; a new one did not start either ({type(exc).__name__}: {exc})"
+        _state["ctx"], _state["failed"] = None, f"it stopped ({reason})"
+    return context()
 
 
 class _Fd:
@@ -195,7 +232,6 @@ def _rank_main(env, fds, threads):
     faulthandler.enable()
     from course_utils.engine import _worker
 
-    _worker.PREWARM_AFTER_S = float(os.environ.get("COURSE_UTILS_PREWARM_S", "1.0"))
     _worker._die_with_parent(os.getppid())  # the server, which ends when the notebook process does
     _worker.Worker().main()
     sys.stdout.flush()

@@ -28,7 +28,6 @@ class _Missing:
 
 
 MISSING = _Missing()
-END_MARK = b"\x00course_utils-end:"  # written to a worker's stdout/stderr after each command, then run id, newline
 
 
 def _named_code(args, filename):
@@ -58,6 +57,8 @@ class _CPUPickler(Pickler):
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            if isinstance(obj, torch.nn.Parameter):  # stays a Parameter, as pickle keeps it on the CPU
+                return torch.nn.Parameter, (obj.detach().to("cpu"), obj.requires_grad)
             return _same, (obj.detach().to("cpu"),)
         return super().reducer_override(obj)
 

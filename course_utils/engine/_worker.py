@@ -19,13 +19,12 @@ import sysconfig
 import threading
 import time
 import traceback
+import types
 
 from course_utils.engine import _wire
 
 _CHANNEL = None  # set in main(); course_utils.engine.progress uses it to report from a worker
 _WORKER = None  # this rank's Worker, once main() runs
-# idle this long, a rank pre-imports what training needs (see Worker.prewarm)
-PREWARM_AFTER_S = float(os.environ.get("COURSE_UTILS_PREWARM_S", "1.0"))
 _HERE = os.path.abspath(__file__)
 _ENGINE_DIR = os.path.dirname(_HERE) + os.sep  # the engine's own frames are not shown to the learner
 
@@ -218,7 +217,11 @@ class Worker:
         self.generation = 0
         self.run_id = 0
         self.store = None
-        self.ns = {"__name__": "__main__", "__builtins__": __builtins__}
+        # The cells run in a real __main__ module, so that pickle finds a class or function defined in a
+        # cell by reference (torch.save(Net()), multiprocessing's spawn and forkserver), as under torchrun.
+        self.main_module = types.ModuleType("__main__")
+        self.ns = self.main_module.__dict__
+        self.ns["__builtins__"] = __builtins__
         self.libc = ctypes.CDLL(None)
         self.group_lock = threading.Lock()  # the control thread destroys the group of an idle rank
         self.retired = []  # the last destroyed process groups, kept alive (see destroy_process_group)
@@ -320,6 +323,22 @@ class Worker:
             self.retired, older = groups, self.retired  # the groups before: their work ended long ago
             del older
 
+    def abort_nccl(self):
+        """On NCCL a rank waits in a GPU kernel, which neither a cut socket nor SIGINT reaches: abort its
+        communicators the way torch 2.13 provides (distributed_c10d._abort_process_group, every group of
+        the default one), so the kernels end and the host's wait returns with an error. Not run in CI
+        (no GPU there); make test-gpu runs it."""
+        if self.backend != "nccl":
+            return
+        try:
+            import torch.distributed as dist
+            import torch.distributed.distributed_c10d as c10d
+
+            if dist.is_initialized():
+                c10d._abort_process_group()
+        except Exception:
+            pass
+
     def cut_peer_connections(self):
         """Shut down this rank's TCP connections to the other ranks (not those to the store), so
         that ranks waiting for us in a collective get an error now. Destroying the process group
@@ -368,6 +387,7 @@ class Worker:
                     "where": _where(stack),
                 }))
             elif kind == "abort":  # drop our connections so that every rank stuck in a collective errors out
+                self.abort_nccl()
                 if not self.manage_group:
                     self.cut_peer_connections()
                 elif self.busy:
@@ -378,12 +398,14 @@ class Worker:
                 self.commands.put(msg)
 
     def finish(self, run_id, ok, payload):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        # Flush before saying "done": the notebook then reads the stream pipes until they are empty.
+        # A cell may have replaced or closed the streams (sys.stdout = None, os.dup2(devnull, 1)).
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
         self.libc.fflush(None)  # C/C++ output (gloo, NCCL) buffered in stdio
-        mark = _wire.END_MARK + b"%d\n" % run_id
-        os.write(1, mark)
-        os.write(2, mark)
         try:
             self.channel.send(("done", run_id, self.rank, ok, payload))
         except KeyboardInterrupt:
@@ -468,15 +490,6 @@ class Worker:
             return eval(compile(last, filename, "eval"), self.ns)
         return None
 
-    @staticmethod
-    def prewarm():
-        """Import torch._dynamo, which the first optimizer or DDP wrapper on a rank imports lazily
-        (seconds per rank on a laptop). Done in the main thread, only while the rank is idle."""
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception:
-            pass
-
     def on_sigint(self, signum, frame):
         if not self.interruptible:
             return
@@ -491,12 +504,41 @@ class Worker:
         self.deferred_since = 0.0
         raise KeyboardInterrupt
 
+    def settle(self):
+        """What a fresh interpreter under torchrun would have, on both start paths: the cells' __main__
+        module, one sys.argv, torch's distributed debug level read from the environment now, and on a
+        forked rank its own random state (a fork copies the server's) and BLAS pools sized for its share
+        of the cores (OpenBLAS reads OPENBLAS_NUM_THREADS when numpy loads, in the server)."""
+        sys.modules["__main__"] = self.main_module
+        sys.argv = ["ddp-cell"]  # never the kernel's or the engine's own argv: argparse sees no options
+        import torch
+        import torch._dynamo  # noqa: F401  before the group exists (see _forkstart.PRELOAD); preloaded when forked
+        import torch.distributed as dist
+        import torch.distributed.nn  # noqa: F401
+
+        dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG set after the server started
+        torch.seed()  # a seed from the OS, as a fresh interpreter draws one
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()
+        threads = os.environ.get("OMP_NUM_THREADS")
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            return
+        env = os.environ
+        n = env.get("OPENBLAS_NUM_THREADS") or env.get("MKL_NUM_THREADS") or threads  # the learner's, or our share
+        if n and n.isdigit():
+            threadpool_limits(limits=int(n), user_api="blas")
+
     def main(self):
         global _CHANNEL, _WORKER
         _CHANNEL, _WORKER = self.channel, self
+        self.settle()
         signal.signal(signal.SIGINT, self.on_sigint)
         for fd in (self.cmd_fd, self.channel.res_fd, self.listen_fd):
-            if fd >= 0:  # a process the learner forks or starts must not hold the engine's pipes
+            if fd >= 0:  # a program the learner starts (exec) does not inherit them; a fork still holds
+                # them, which is why the notebook also polls each rank's exit instead of waiting for EOF
                 os.set_inheritable(fd, False)
         hello = _wire.recv(self.cmd_fd)  # ("hello", secret): private, unlike the environment
         self.secret = hello[1]
@@ -509,15 +551,13 @@ class Worker:
         except BaseException as exc:
             self.channel.send(("ready", self.rank, False, _error_info(exc)))
             return
+        hold = float(os.environ.get("COURSE_UTILS_TEST_HOLD_START_S") or 0)  # the tests: a start slow enough to stop
+        if hold:
+            time.sleep(hold)
         self.channel.send(("ready", self.rank, True, {"pid": os.getpid()}))
-        warm = False
         while True:
             try:
-                msg = self.commands.get(timeout=None if warm else PREWARM_AFTER_S)
-            except queue.Empty:  # the learner is reading: pay for DDP's and optim's lazy import now
-                warm = True
-                self.prewarm()
-                continue
+                msg = self.commands.get()
             except KeyboardInterrupt:
                 continue
             if msg[0] == "shutdown":

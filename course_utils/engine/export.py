@@ -10,6 +10,7 @@ cell's last value as ``[rank N] value`` lines, as the notebook showed them.
 import ast
 import base64
 import re
+import textwrap
 from pathlib import Path
 
 PREAMBLE = '''\
@@ -22,6 +23,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group (see scripts/train_micro_ddp.py's setup())
 
 # What the %%ddp engine sets up on every rank: the process group and four names.
 rank = int(os.environ["RANK"])
@@ -33,7 +35,9 @@ _local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_
 if local_rank < 0 or not _local:
     raise SystemExit("set LOCAL_RANK and LOCAL_WORLD_SIZE (processes on this node); torchrun sets them for you")
 local_world_size = int(_local.split("(")[0].split(",")[0])
-if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+BACKEND = {backend!r}  # what the cells ran with in the notebook; "auto": NCCL when every process has a GPU
+if BACKEND == "nccl" or (BACKEND == "auto" and torch.cuda.is_available()
+                         and torch.cuda.device_count() >= local_world_size):
     device = torch.device("cuda", local_rank)  # one GPU per process on this node (the engine's cuda:rank on one node)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")
@@ -48,17 +52,22 @@ def _show(value):
         print("\\n".join(f"[rank {{rank}}] {{line}}" for line in repr(value).splitlines() or [""]))
 
 
-def _only_rank(shown):
-    """%%ddp --rank R: the other ranks' output is hidden, as in the notebook. Returns the undo."""
-    saved = sys.stdout, sys.stderr
-    if rank != shown:
-        sys.stdout = sys.stderr = open(os.devnull, "w")
+class _only_rank:
+    """%%ddp --rank R: the other ranks' printed output is hidden, as in the notebook. Their stderr stays:
+    an error on any rank must show."""
 
-    def undo():
-        if sys.stdout is not saved[0]:
+    def __init__(self, shown):
+        self.shown = shown
+
+    def __enter__(self):
+        self.saved = sys.stdout
+        if rank != self.shown:
+            sys.stdout = open(os.devnull, "w")
+
+    def __exit__(self, *exc):
+        if sys.stdout is not self.saved:
             sys.stdout.close()
-        sys.stdout, sys.stderr = saved
-    return undo
+        sys.stdout = self.saved
 '''
 
 EPILOGUE = '''
@@ -93,7 +102,7 @@ def cell_to_code(options, source):
     body = _show_last_value(source).rstrip()
     shown = _rank_option(options)
     if shown is not None:
-        body = f"_undo = _only_rank({shown})\n{body}\n_undo()"
+        body = f"with _only_rank({shown}):\n" + textwrap.indent(body, "    ")
     return f"\n# %%ddp {options}".rstrip() + "\n" + body + "\n"
 
 
@@ -104,7 +113,7 @@ def push_to_code(name, blob):
             f"{name} = pickle.loads(base64.b64decode({data!r}))[{name!r}]\n")
 
 
-def write_script(path, cells, world_size=2, left_out=0):
+def write_script(path, cells, world_size=2, left_out=0, backend="auto"):
     """Write ``cells`` as a torchrun-ready script at ``path``; return the path.
 
     ``cells`` lists, in the order they ran, ``("cell", options line, source)`` for each ``%%ddp`` cell
@@ -116,7 +125,7 @@ def write_script(path, cells, world_size=2, left_out=0):
     if left_out:
         note = (f"\n{left_out} earlier %%ddp cell(s) ran on ranks that were replaced since (a restart, a crash or\n"
                 "another world size) and are left out: their names were gone for the cells below too.\n")
-    parts = [PREAMBLE.format(name=path.name, world_size=world_size, note=note)]
+    parts = [PREAMBLE.format(name=path.name, world_size=world_size, note=note, backend=backend)]
     for item in cells:
         if len(item) == 2:
             item = ("cell", *item)

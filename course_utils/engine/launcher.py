@@ -10,6 +10,7 @@ rendezvous store and the backend's connections, all on 127.0.0.1.
 """
 import _signal
 import contextlib
+import itertools
 import math
 import os
 import secrets
@@ -25,11 +26,13 @@ import weakref
 
 from course_utils.engine import _forkstart, _wire
 from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: public, re-exported)
-    DistributedError, DistributedTimeout, dead_error, hide_cpp_frames, plural, rank_error, timeout_error)
+    DistributedError, DistributedTimeout, dead_error, hide_cpp_frames, interrupt_error, plural, rank_error,
+    timeout_error)
 
 BACKENDS = ("auto", "gloo", "nccl")
 ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own
 RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
+DEAD_TOGETHER_S = 0.5  # after a rank dies, how long the report waits for others that die with it
 START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
 PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
 POLL_S = 0.1           # how often the loop asks the OS whether a rank exited
@@ -104,48 +107,38 @@ class _Rank:
         self.frames = _wire.FrameReader()
         self.partial = {"stdout": b"", "stderr": b""}
         self.lines = {"stdout": [], "stderr": []}
-        self.ended = {"stdout": 0, "stderr": 0}  # last run id whose end mark arrived
+        self.closed = set()  # stream fds at EOF (the rank closed or redirected its fd 1 or 2): never polled again
         self.last_line = ""
         self.progress = None
         self.dead = False
 
     def fds(self):
-        return [self.res_r, *self.streams]
+        return [self.res_r, *(fd for fd in self.streams if fd not in self.closed)]
 
     def send(self, msg):
         _wire.write_all(self.cmd_w, _wire.dump(msg))
 
     def feed_stream(self, name, data):
-        buf = self.partial[name] + data
-        while True:
-            cut = buf.find(_wire.END_MARK)
-            if cut < 0:
-                break
-            end = buf.find(b"\n", cut)
-            if end < 0:
-                break
-            digits = buf[cut + len(_wire.END_MARK):end]
-            if not digits.isdigit():  # the learner's own bytes that happen to look like the mark: text
-                self._add_final(name, buf[:end])
-                buf = buf[end + 1:]
-                continue
-            self._add_final(name, buf[:cut])
-            self.ended[name] = int(digits)
-            buf = buf[end + 1:]
-        *whole, rest = buf.split(b"\n")
+        *whole, rest = (self.partial[name] + data).split(b"\n")
         for line in whole:
             self._add_line(name, line)
         self.partial[name] = rest
 
-    def _add_final(self, name, data):
-        """The last output of a command: whole lines, blank ones included; a final newline ends them."""
-        if not data:
-            return
-        lines = data.split(b"\n")
-        if lines[-1] == b"":
-            lines.pop()
-        for line in lines:
-            self._add_line(name, line)
+    def drain_streams(self):
+        """Read the stream pipes until they are empty. Called once the rank said it is done: whatever it
+        wrote before that (it flushes first) is in the pipes now, so no end mark is needed."""
+        for fd, name in self.streams.items():
+            while fd not in self.closed:
+                try:
+                    data = os.read(fd, 1 << 20)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    data = b""
+                if not data:
+                    self.closed.add(fd)
+                    break
+                self.feed_stream(name, data)
 
     def _add_line(self, name, raw):
         text = raw.decode("utf-8", "replace").rstrip("\r").split("\r")[-1]
@@ -218,9 +211,13 @@ def _spawn(world_size, backend, pg_timeout, group=True):
                         fds["listen"] = listener.fileno()
                     try:
                         proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
-                    except Exception as exc:  # the server is gone or broken: fresh interpreters from now on
-                        _forkstart.fail(f"{type(exc).__name__}: {exc}")
-                        _forkstart.context()
+                    except Exception as exc:  # the server is gone or broken: a new one, once; then fresh interpreters
+                        ctx = _forkstart.restart(f"{type(exc).__name__}: {exc}")
+                        if ctx is not None:
+                            try:
+                                proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
+                            except Exception as again:
+                                _forkstart.restart(f"{type(again).__name__}: {again}")
                 if proc is None:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
@@ -278,6 +275,9 @@ def _shutdown(ranks):
     _kill(ranks)
 
 
+_SERIALS = itertools.count(1)
+
+
 class Cluster:
     """A persistent pool of ``world_size`` ranks with torch.distributed initialised.
 
@@ -292,6 +292,10 @@ class Cluster:
     """
 
     def __init__(self, world_size=2, backend="auto", timeout=60, *, _group=True):
+        if sys.platform == "win32":
+            raise RuntimeError("native Windows is not supported: the engine hands its ranks pipes by file "
+                               "descriptor, which Windows cannot do. Run the course in WSL 2 (make lab there).")
+        self.serial = next(_SERIALS)  # which cluster this is, never reused (unlike id())
         self.backend = choose_backend(backend, world_size)
         self.requested_backend = backend
         self.world_size = world_size
@@ -506,6 +510,9 @@ class Cluster:
         if fd != rk.res_r:
             if data:
                 rk.feed_stream(rk.streams[fd], data)
+            else:  # EOF: the rank closed or redirected this fd (os.dup2(devnull, 1)); POLLHUP would spin
+                rk.closed.add(fd)
+                self._forget_selector()
             return
         if not data:
             self._mark_dead(rk)  # the worker's end closed: it exited
@@ -516,6 +523,7 @@ class Cluster:
             if m[0] == "progress":
                 rk.progress = m[1:]  # (desc, i, total)
             elif m[0] == "done":  # kept per run, whichever loop happens to read it
+                rk.drain_streams()  # what the rank wrote before it said so is in its pipes already
                 self._done.setdefault(m[1], {}).setdefault(rk.rank, (m[3], m[4]))
             else:
                 self._inbox.append((rk, m))
@@ -592,7 +600,10 @@ class Cluster:
             self.restart()
         with self._sigint_deferred():
             if self._group and self._pg_timeout < self._pg_timeout_for(timeout):  # a long --timeout: the
-                self._rebuild_group(self._pg_timeout_for(timeout))            # backend must not give up first
+                if not self._rebuild_group(self._pg_timeout_for(timeout)):    # backend must not give up first
+                    self._replace(start=True)  # a rank could not join the new group: fresh ranks, said so
+                    print("note: the ranks could not rebuild their process group for the longer --timeout and "
+                          "were replaced; names you defined on them are gone.", file=sys.stderr)
             for rk in self._ranks:  # the live status shows this cell's lines only
                 rk.progress, rk.last_line = None, ""
             self._run_id += 1
@@ -609,8 +620,7 @@ class Cluster:
                 while True:  # the hot loop of every cell: written out, not through _pump_until
                     if first_error is None and len(results) and not all(ok for ok, _ in results.values()):
                         first_error = time.monotonic()
-                    pending = [rk for rk in ranks if not (rk.rank in results and rk.ended["stdout"] >= run_id
-                                                          and rk.ended["stderr"] >= run_id)]
+                    pending = [rk for rk in ranks if rk.rank not in results]
                     if not pending or any(rk.dead for rk in pending):
                         break
                     now = time.monotonic()
@@ -627,9 +637,12 @@ class Cluster:
                 if dead:
                     raise self._report("dead", run_id, only_rank, dead=dead)
             except KeyboardInterrupt:
+                snapshot = dict(self._done.get(run_id, {}))
+                running = [rk for rk in self._ranks if rk.rank not in snapshot and not rk.dead]
+                stacks = self._stacks(running) if running else {}
                 note = self._recover(run_id, interrupt=True)
                 self._show(only_rank)
-                raise KeyboardInterrupt(f"interrupted: every rank stopped. {note}") from None
+                raise interrupt_error(self.world_size, snapshot, stacks, note) from None
             finally:
                 self._close_live()
             if any(not ok for ok, _ in results.values()) or len(results) < self.world_size:
@@ -639,7 +652,7 @@ class Cluster:
 
     @staticmethod
     def _complete(rk, results, run_id):
-        return rk.rank in results and rk.ended["stdout"] >= run_id and rk.ended["stderr"] >= run_id
+        return rk.rank in results
 
     def _close_live(self):
         live, self._live = self._live, None
@@ -650,6 +663,7 @@ class Cluster:
         """Print every rank's output, grouped in rank order, so the stored output is deterministic."""
         self._close_live()
         for rk in self._ranks:
+            rk.drain_streams()
             rk.flush_partial()
         held, self._held = self._held, []
         merged = {}
@@ -734,6 +748,15 @@ class Cluster:
         """Snapshot, stacks of the ranks still running, recovery, output, then the report."""
         __tracebackhide__ = True
         if kind == "dead":
+            alive = [rk for rk in self._ranks if not rk.dead]
+            deadline = time.monotonic() + DEAD_TOGETHER_S  # ranks that die together are named together
+            while alive and time.monotonic() < deadline:
+                for rk in alive:
+                    if rk.proc.poll() is not None:
+                        self._mark_dead(rk)
+                alive = [rk for rk in alive if not rk.dead]
+                time.sleep(0.05)
+            dead = [rk for rk in self._ranks if rk.dead and not self._complete(rk, self._done.get(run_id, {}), run_id)]
             for rk in dead:
                 try:
                     rk.proc.wait(timeout=2)
@@ -752,7 +775,7 @@ class Cluster:
         note = self._recover(run_id)
         self._show(only_rank)
         if kind == "timeout":
-            return timeout_error(self.world_size, results, stacks, timeout, note)
+            return timeout_error(self.world_size, results, stacks, timeout, note, backend=self.backend)
         return rank_error(self.world_size, results, stacks, note)
 
 

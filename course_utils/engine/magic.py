@@ -19,12 +19,13 @@ from course_utils.engine.progress import bar
 
 _CLUSTER = None
 _CELLS = []  # for export: (session, "cell", options, source) of each %%ddp cell run successfully and
-#              (session, "push", name, pickled value) of each %ddp push; session = (cluster id, restarts, size)
+#              (session, "push", name, pickled value) of each %ddp push;
+#              session = (cluster serial, restarts, size, backend): a serial, since an id() is reused
 
 
 def _session(cluster):
     """Which set of ranks ran a cell: names from another session were gone for it."""
-    return id(cluster), cluster.restarts, cluster.world_size
+    return cluster.serial, cluster.restarts, cluster.world_size, cluster.backend
 
 
 def shutdown_cluster():
@@ -66,7 +67,7 @@ class LiveView:
         """Shown while fresh ranks import torch (seconds), so a first cell is not silent."""
         from IPython.display import display
 
-        text = f"starting {world_size} ranks (fresh Python interpreters importing torch)..."
+        text = f"starting {world_size} ranks..."
         self.handle = display({"text/plain": text}, raw=True, display_id=True)
 
     def update(self, ranks, elapsed):
@@ -150,7 +151,8 @@ def _cluster_for(world_size=None, backend=None, live=None):
     global _CLUSTER
     c, note, size = _CLUSTER, None, world_size
     if c is not None and ((world_size is not None and world_size != c.world_size)
-                          or (backend is not None and backend != c.requested_backend)):
+                          or (backend is not None and launcher.choose_backend(backend, world_size or c.world_size)
+                              != c.backend)):  # the backend chosen, not the word typed: auto may be gloo
         size = world_size or c.world_size
         backend = backend or c.requested_backend
         launcher.choose_backend(backend, size)  # bad input raises here, before the old ranks are stopped
@@ -233,7 +235,7 @@ class DDPMagics(Magics):
             last = _CELLS[-1][0]
             kept = [item[1:] for item in _CELLS if item[0] == last]
             left_out = sum(1 for item in _CELLS if item[0] != last and item[1] == "cell")
-            write_script(rest[0], kept, world_size=last[2], left_out=left_out)
+            write_script(rest[0], kept, world_size=last[2], left_out=left_out, backend=last[3])
             cells = sum(1 for item in kept if item[0] == "cell")
             extra = f" (left out: {left_out} cell(s) run on ranks replaced since)" if left_out else ""
             print(f"wrote {cells} %%ddp cells to {rest[0]}{extra}; "

@@ -29,6 +29,34 @@ class DistributedError(RuntimeError):
         return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
 
 
+class DistributedInterrupt(KeyboardInterrupt):
+    """The learner pressed stop: says where each rank was and what the engine did, without the engine's
+    frames (IPython shows ``_render_traceback_``, as for DistributedError)."""
+
+    def __init__(self, summary, details=""):
+        super().__init__(summary)
+        self.summary, self.details = summary, details
+
+    def __str__(self):
+        return self.summary + ("\n" + self.details if self.details else "")
+
+    def _render_traceback_(self):
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+def interrupt_error(world_size, results, stacks, note):
+    """``results`` and ``stacks``: the snapshot taken when the stop arrived, before the ranks were released."""
+    lines = []
+    for r in range(world_size):
+        if r in results:
+            lines.append(f"  rank {r}: {'had finished' if results[r][0] else 'had raised ' + results[r][1]['type']}")
+        else:
+            where = stacks.get(r, {}).get("where")
+            lines.append(f"  rank {r}: was running {where}" if where else f"  rank {r}: was running")
+    return DistributedInterrupt(f"interrupted: every rank stopped. {note}", "Where the ranks were:\n" +
+                                "\n".join(lines))
+
+
 class DistributedTimeout(DistributedError, TimeoutError):
     """No result within ``timeout`` seconds: says which ranks finished and where the others are stuck."""
 
@@ -107,7 +135,7 @@ def rank_error(world_size, results, stacks, note):
         rank=first, exc_type=e["type"], exc_message=e["message"], rank_traceback=e["traceback"], ranks=others)
 
 
-def timeout_error(world_size, results, stacks, timeout, note):
+def timeout_error(world_size, results, stacks, timeout, note, backend=None):
     """``results`` is the snapshot taken when the time ran out: the ranks in it finished, the others are stuck."""
     finished = sorted(r for r, (ok, _) in results.items() if ok)
     failed = sorted(r for r, (ok, _) in results.items() if not ok)
@@ -125,14 +153,22 @@ def timeout_error(world_size, results, stacks, timeout, note):
         else:
             states[r] = "stuck (no Python stack)"
         lines.append(f"  rank {r}: {states[r]}")
+    same = {}  # one stack, printed once for every rank that shares it
     for r in stuck:
-        info = stacks.get(r, {})
-        if info.get("stack"):
-            lines += ["", f"Python stack of rank {r} (most recent call last):", info["stack"].rstrip()]
+        stack = stacks.get(r, {}).get("stack", "").rstrip()
+        if stack:
+            same.setdefault(stack, []).append(r)
+    for stack, ranks in same.items():
+        lines += ["", f"Python stack of {plural(ranks)} (most recent call last):", stack]
+    if backend == "nccl" and stuck:
+        lines += ["", "On NCCL a collective returns as soon as it is queued on the GPU: a rank waits where its "
+                  "host first needs the result (t.item(), print(t), torch.cuda.synchronize()), so that line is "
+                  "named, not the collective. TORCH_NCCL_TRACE_BUFFER_SIZE=2000 makes torch's flight recorder "
+                  "keep the pending collectives, for torch.distributed's own timeout dump."]
     if note:
         lines += ["", note]
     return DistributedTimeout(
-        f"{plural(stuck)} did not finish within {timeout:g} s "
+        f"{plural(stuck) if stuck else 'the ranks'} did not finish within {timeout:g} s "
         "(a rank skipped a collective, or is still computing: raise --timeout if so).",
         "\n".join(lines), ranks=states)
 
@@ -141,7 +177,7 @@ def dead_error(codes, note):
     """``codes``: rank -> exit code (negative: killed by that signal)."""
     how = {r: (f"was killed by {signal_name(c)}" if c < 0 else f"exited with code {c}") for r, c in codes.items()}
     first = min(codes)
-    lines = [f"  rank {r}: {h}" for r, h in how.items()]
+    lines = [f"  rank {r}: {h}" for r, h in how.items() if r != first]  # the first is in the summary
     if note:
         lines += ["", note]
     return DistributedError(f"rank {first} died: it {how[first]}.", "\n".join(lines), rank=first,

@@ -1,0 +1,317 @@
+"""The engine faults of the second code review (issue 24), each reproduced on 2 gloo ranks, and the
+engine promises of the tests audit (issue 25) that need the engine itself.
+
+Each test failed on the engine before the fix. test_engine_spawn_start.py runs the ones that apply to
+both start paths again with the ranks as fresh interpreters.
+"""
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, children_of
+from course_utils import Cluster, DistributedError, DistributedTimeout
+from course_utils.engine import _forkstart, export, magic, reports
+
+CHILD_ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def _cpu_seconds():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+@pytest.fixture(scope="module")
+def two(make_cluster):
+    return make_cluster(2, timeout=30)
+
+
+# -- 1. output without end marks -----------------------------------------------------------------
+def test_a_cell_that_redirects_fd_1_finishes_at_once_keeps_the_names_and_does_not_spin(make_cluster, capfd):
+    c = make_cluster(2, timeout=21)  # its own ranks: their stdout stays closed
+    c.run("kept = rank + 10")
+    pids = list(c.pids)
+    t0, cpu0 = time.monotonic(), _cpu_seconds()
+    c.run_cell("import os, sys\nos.dup2(os.open(os.devnull, os.O_WRONLY), 1)\nprint('silenced')\n"
+               "print('still on stderr', file=sys.stderr)")
+    c.run_cell("import time\ntime.sleep(2)")  # the closed stdout pipe must not keep the notebook busy
+    took, cpu = time.monotonic() - t0, _cpu_seconds() - cpu0
+    out, err = capfd.readouterr()
+    assert took < 12, f"the cell waited {took:.1f} s: the notebook waited for output that never comes"
+    assert cpu < 1.0, f"the notebook used {cpu:.2f} s of CPU in {took:.1f} s: a closed pipe is being polled"
+    assert "silenced" not in out and "[rank 1] still on stderr" in err
+    assert c.run("kept") == [10, 11] and c.pids == pids, "same ranks, names kept"
+    c.shutdown()
+
+
+def test_a_cell_that_sets_sys_stdout_to_none_does_not_kill_the_rank(make_cluster, capfd):
+    c = make_cluster(2, timeout=22)
+    pids = list(c.pids)
+    c.run_cell("import sys\nsys.stdout = None\nx = rank")
+    err = capfd.readouterr().err
+    assert c.run("x") == [0, 1] and c.pids == pids
+    assert "_worker.py" not in err, f"engine frames in the output:\n{err}"
+    c.run_cell("import sys\nsys.stdout = sys.__stdout__")
+
+
+def test_output_is_grouped_by_rank_even_when_higher_ranks_print_first(two, capfd):
+    two.run_cell("import time\ntime.sleep(0.6 * (world_size - 1 - rank))\nprint('first line of', rank)\n"
+                 "time.sleep(0.2)\nprint('second line of', rank)")
+    out = capfd.readouterr().out
+    assert out == ("[rank 0] first line of 0\n[rank 0] second line of 0\n"
+                   "[rank 1] first line of 1\n[rank 1] second line of 1\n"), out
+
+
+def test_what_a_rank_prints_just_before_it_dies_is_kept(make_cluster, capfd):
+    c = make_cluster(2, timeout=20)
+    with pytest.raises(DistributedError, match="rank 1 died"):
+        c.run_cell("import os, sys\nif rank == 1:\n    print('last words', flush=True)\n    os._exit(3)")
+    assert "[rank 1] last words" in capfd.readouterr().out
+
+
+# -- 2. the fork server survives an early stop, and is restarted once ---------------------------------
+EARLY_STOP = textwrap.dedent("""
+    import os, signal, sys, time
+    from multiprocessing import forkserver
+    from course_utils.engine import _forkstart
+    _forkstart.prestart()
+    pid = forkserver._forkserver._forkserver_pid
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGINT)   # Jupyter's stop reaches the kernel's whole process group
+    time.sleep(0.5)
+    from course_utils import Cluster
+    t0 = time.monotonic()
+    with Cluster(world_size=2, backend="gloo") as c:
+        print("ranks", c.run("rank"), "server alive", forkserver._forkserver._forkserver_pid == pid)
+    os.kill(pid, signal.SIGKILL)  # gone for good: the next start makes a new server, once
+    time.sleep(0.3)
+    with Cluster(world_size=2, backend="gloo") as c:
+        print("after a kill", c.run("import sys\\nbool(sys.modules.get('multiprocessing.forkserver'))"))
+    print("new server", forkserver._forkserver._forkserver_pid not in (None, pid))
+""")
+
+
+def test_an_interrupt_while_the_fork_server_imports_torch_does_not_kill_it():
+    if not _forkstart.wanted():
+        pytest.skip("the ranks start as fresh interpreters here (COURSE_UTILS_START=spawn)")
+    proc = subprocess.run([sys.executable, "-c", EARLY_STOP], capture_output=True, text=True, timeout=240,
+                          env=CHILD_ENV, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "ranks [0, 1] server alive True" in proc.stdout, proc.stdout + proc.stderr
+    assert "after a kill [True, True]" in proc.stdout and "new server True" in proc.stdout, proc.stdout
+    assert "fresh interpreters" not in proc.stderr, f"fell back after a restartable failure:\n{proc.stderr}"
+
+
+# -- 3 and 4. what a fresh interpreter would have ---------------------------------------------------
+def test_every_rank_and_every_restart_draws_its_own_random_state(make_cluster):
+    c = make_cluster(2, timeout=30)
+    code = "import torch, numpy\n(torch.initial_seed(), float(torch.rand(())), float(numpy.random.rand()))"
+    first = c.run(code)
+    assert first[0] != first[1], f"both ranks have the same random state: {first}"
+    c.restart()
+    again = c.run(code)
+    assert not set(first) & set(again), f"a restart repeats the random state: {first} then {again}"
+
+
+def test_settings_read_when_a_library_loads_follow_the_notebooks_environment(monkeypatch):
+    with Cluster(world_size=2, backend="gloo") as warm:  # the server is running before the variables change
+        warm.run("rank")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    with Cluster(world_size=2, backend="gloo") as c:
+        got = c.run("import torch.distributed as dist\nfrom threadpoolctl import threadpool_info\n"
+                    "(str(dist.get_debug_level()), sorted({p['num_threads'] for p in threadpool_info() "
+                    "if p['user_api'] == 'blas'}))")
+    for level, blas in got:
+        assert level.endswith("DETAIL"), level
+        assert blas in ([1], []), f"BLAS pools run {blas} threads with OPENBLAS_NUM_THREADS=1"
+
+
+def test_the_ranks_argv_is_one_value_and_cells_run_in_a_real_main_module(two):
+    got = two.run("import sys, io, pickle, torch\n"
+                  "class Net(torch.nn.Module):\n"
+                  "    def __init__(self):\n        super().__init__()\n        self.fc = torch.nn.Linear(2, 2)\n"
+                  "def double(x):\n    return 2 * x\n"
+                  "buf = io.BytesIO()\ntorch.save(Net(), buf)\n"
+                  "(sys.argv, sys.modules['__main__'].Net is Net, type(pickle.loads(pickle.dumps(Net()))).__name__,"
+                  " pickle.loads(pickle.dumps(double))(21))")
+    for argv, same, name, value in got:
+        assert argv == ["ddp-cell"] and same and name == "Net" and value == 42
+
+
+# -- 6. the process group is freed, so nothing outlives it --------------------------------------------
+def test_an_optimizer_built_on_the_ranks_does_not_keep_the_destroyed_group_alive(two):
+    got = two.run("import gc, os, torch, torch.distributed as dist\n"
+                  "torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())  # imports torch._dynamo lazily\n"
+                  "import torch.distributed.nn.functional as F\n"
+                  "F.broadcast.__defaults__")
+    for defaults in got:
+        assert defaults == (None,), f"torch.distributed.nn captured a live group as a default: {defaults}"
+
+
+# -- 7. export ------------------------------------------------------------------------------------
+def test_export_hides_only_stdout_of_the_other_ranks_and_writes_the_backend(tmp_path):
+    path = export.write_script(tmp_path / "s.py", [("--rank 0", "import sys\nprint('out')\n"
+                                                               "print('err', file=sys.stderr)")],
+                               world_size=2, backend="gloo")
+    text = path.read_text()
+    assert "BACKEND = 'gloo'" in text
+    compile(text, str(path), "exec")
+    ns = {"rank": 1, "os": os, "sys": sys}
+    start = text.index("class _only_rank")
+    exec(text[start:text.index("\n# %%ddp", start)], ns)
+    saved_out, saved_err = sys.stdout, sys.stderr
+    with pytest.raises(ValueError):
+        with ns["_only_rank"](0):
+            assert sys.stderr is saved_err, "stderr stays: an error on any rank must show"
+            assert sys.stdout is not saved_out
+            raise ValueError("boom")
+    assert sys.stdout is saved_out, "stdout is restored after an error too"
+
+
+def test_export_sessions_are_counted_not_ids():
+    a = Cluster(world_size=1, backend="gloo")
+    b = Cluster(world_size=1, backend="gloo")
+    assert a.serial != b.serial and magic._session(a)[0] != magic._session(b)[0]
+
+
+# -- learner's view -------------------------------------------------------------------------------
+def test_backend_gloo_on_a_cpu_machine_keeps_the_auto_cluster(monkeypatch):
+    from course_utils.engine import launcher
+
+    if launcher.choose_backend("auto", 2) != "gloo":
+        pytest.skip("auto picks NCCL here")
+    monkeypatch.setattr(magic, "_CLUSTER", None)
+    try:
+        c, _ = magic._cluster_for(2, "auto")
+        c.run("named = 7")
+        again, note = magic._cluster_for(2, "gloo")
+        assert again is c and note is None and again.run("named") == [7, 7]
+    finally:
+        magic.shutdown_cluster()
+
+
+def test_an_interrupt_says_where_each_rank_was_without_engine_frames(two):
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            two.run_cell("import time\nif rank == 0:\n    time.sleep(60)\nelse:\n    import torch.distributed as dist\n"
+                         "    dist.barrier()", timeout=60)
+    finally:
+        timer.cancel()
+    text = "\n".join(info.value._render_traceback_())
+    assert "interrupted: every rank stopped" in text and "names you defined are kept" in text
+    assert "rank 0: was running" in text and "time.sleep(60)" in text, text
+    assert "rank 1: was running" in text and "barrier" in text, text
+    assert "launcher.py" not in text and "run_cell_magic" not in text
+
+
+def test_a_hang_report_prints_a_shared_stack_once(make_cluster):
+    c = make_cluster(2, timeout=4)
+    with pytest.raises(DistributedTimeout) as info:
+        c.run_cell("import time\ntime.sleep(30)", timeout=4)
+    text = str(info.value)
+    assert text.count("Python stack of") == 1 and "Python stack of ranks 0, 1" in text, text
+
+
+def test_two_dead_ranks_name_the_lowest_and_each_exit_code_once():
+    err = reports.dead_error({2: 5, 1: -9}, note="")
+    text = str(err)
+    assert err.rank == 1 and text.startswith("rank 1 died: it was killed by SIGKILL.")
+    assert text.count("SIGKILL") == 1 and "rank 2: exited with code 5" in text
+
+
+def test_two_ranks_that_die_are_both_named(make_cluster):
+    c = make_cluster(3, timeout=20)
+    with pytest.raises(DistributedError) as info:
+        c.run_cell("import os, time\nif rank == 2:\n    os._exit(4)\nif rank == 1:\n    time.sleep(0.1)\n"
+                   "    os._exit(7)\ntime.sleep(5)")
+    text = str(info.value)
+    assert text.startswith("rank 1 died") and "rank 2: exited with code 4" in text, text
+
+
+# -- issue 25: a start slow enough to stop ------------------------------------------------------------
+def test_interrupt_while_the_ranks_start_leaves_no_rank_running(monkeypatch):
+    monkeypatch.setenv("COURSE_UTILS_TEST_HOLD_START_S", "30")  # every rank blocks before it says it is ready
+    server = _server_pid()
+    before = set(children_of(os.getpid())) | (set(children_of(server)) if server else set())  # other clusters
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    made = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            made.append(Cluster(world_size=2, backend="gloo"))
+    finally:
+        timer.cancel()
+        for c in made:
+            c.shutdown()
+    assert not made, "the stop must land while the ranks start"
+    deadline = time.monotonic() + 10
+    while True:  # the ranks: the server's children on the fork path, the notebook's own on the spawn path
+        ranks = set(children_of(server)) - before if server else {
+            p for p in set(children_of(os.getpid())) - before if _is_rank(p)}
+        if not ranks or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not ranks, f"ranks left running after a stop during start: {ranks}"
+
+
+def _server_pid():
+    try:
+        from multiprocessing import forkserver
+
+        return forkserver._forkserver._forkserver_pid
+    except Exception:
+        return None
+
+
+def _is_rank(pid):
+    """A fresh-interpreter rank was started with the engine's variables (not multiprocessing's tracker)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"COURSE_UTILS_BACKEND=" in f.read()
+    except OSError:
+        return False
+
+
+# -- the capstone script's abort at exit ----------------------------------------------------------------
+AFTER_MAIN = textwrap.dedent("""
+    import os, runpy, sys
+    script = sys.argv.pop(1)
+    ns = runpy.run_path(script, run_name="train")
+    ns["main"]()
+    import gc
+    gc.collect()
+    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    print(f"rank {os.environ['RANK']} threads after main: {names}", flush=True)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_capstone_script_frees_its_process_group_before_the_interpreter_ends(torchrun, tmp_path):
+    """The abort at exit ("terminate called without an active exception", 1 run in 10-30): gloo's threads
+    were still alive when the interpreter shut down, because torch.distributed.nn, imported after
+    init_process_group by the first optimizer (through torch._dynamo), held the group in default arguments."""
+    from conftest import finish, retry_on_port_clash
+
+    wrapper = tmp_path / "after_main.py"
+    wrapper.write_text(AFTER_MAIN)
+
+    def launch(port):
+        proc = torchrun("--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
+                        script=wrapper, script_args=[ROOT / "scripts" / "train_micro_ddp.py", "--steps", "2"])
+        return finish(proc, "the capstone script")
+
+    out = retry_on_port_clash(launch)
+    lines = [line for line in out.splitlines() if "threads after main" in line]
+    assert len(lines) == 2, out[-3000:]
+    for line in lines:
+        assert "pt_gloo_runloop" not in line and "gloo_tcp_loop" not in line, \
+            f"the destroyed group's gloo threads outlive main(): {line}"
