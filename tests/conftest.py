@@ -100,24 +100,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
-# An idle rank pre-imports torch._dynamo after COURSE_UTILS_PREWARM_S seconds, so a test's timings (and a
-# checker's) would depend on what ran before it on the same cluster. Pinned off for every test module here, not
-# only the engine's (engine_helpers does the same); the notebooks under nbval keep the learner's default, since
-# this fixture only reaches the tests in tests/. A test that needs torch._dynamo imports it itself.
-PINNED_ENV = {"COURSE_UTILS_PREWARM_S": "1e9"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pinned_test_env():
-    saved = {k: os.environ.get(k) for k in PINNED_ENV}
-    os.environ.update(PINNED_ENV)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
 # ---- clusters ---------------------------------------------------------------------------------
 
 

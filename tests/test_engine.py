@@ -13,7 +13,6 @@ import pytest
 
 from conftest import alive
 from course_utils import Cluster, DistributedError, DistributedTimeout, launch
-from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
 # -- results, names, functions --------------------------------------------------------------

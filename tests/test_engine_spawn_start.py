@@ -12,7 +12,6 @@ import textwrap
 
 import pytest
 
-from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 from test_engine import (  # noqa: F401  (collected here again, with this module's fixtures)
     test_torch_dynamo_is_imported_before_the_first_cell_and_ddp_works,
     test_dead_worker_is_reported_and_replaced,

@@ -4,7 +4,6 @@ import pytest
 
 from course_utils.tour import check_sum_of_squares
 from exercise_helpers import notebook_cell
-from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
 def _scaffold():

@@ -10,7 +10,7 @@ import os
 from conftest import finish, retry_on_port_clash, start_torchrun, torchrun_env
 from course_utils import choose_backend
 from course_utils.engine.export import write_script
-from engine_helpers import Kernel, pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
+from engine_helpers import Kernel
 
 CELLS = [  # run in a real kernel, in this order
     "%%ddp -n 2\nimport torch, torch.distributed as dist\n"

@@ -13,7 +13,7 @@ import pytest
 from conftest import alive as _alive
 from course_utils import choose_backend
 from course_utils.engine.launcher import _gpu_count
-from engine_helpers import Kernel, pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
+from engine_helpers import Kernel
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import pytest
 from conftest import ROOT, alive
 from course_utils import Cluster, DistributedError, DistributedTimeout
 from course_utils.engine import _forkstart
-from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 
 @pytest.fixture(scope="module")

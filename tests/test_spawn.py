@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import PortClash, alive, is_port_clash, register_by_value, retry_on_port_clash
 from course_utils import DistributedError, spawn
-from engine_helpers import pinned_engine_env  # noqa: F401  (autouse: COURSE_UTILS_PREWARM_S pinned)
 
 register_by_value(sys.modules[__name__])
 
