@@ -315,3 +315,23 @@ def test_the_capstone_script_frees_its_process_group_before_the_interpreter_ends
     for line in lines:
         assert "pt_gloo_runloop" not in line and "gloo_tcp_loop" not in line, \
             f"the destroyed group's gloo threads outlive main(): {line}"
+
+
+# -- README promises off Linux -----------------------------------------------------------------------
+def test_ranks_start_as_fresh_interpreters_by_default_off_linux(monkeypatch):
+    monkeypatch.delenv("COURSE_UTILS_START", raising=False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert not _forkstart.wanted(), "macOS's system libraries are not fork-safe: spawn is its default"
+    monkeypatch.setenv("COURSE_UTILS_START", "forkserver")
+    assert _forkstart.wanted()
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("COURSE_UTILS_START")
+    assert _forkstart.wanted()
+
+
+def test_gloo_binds_to_the_loopback_interface_of_each_system():
+    from course_utils.engine.launcher import _loopback_interface
+
+    assert _loopback_interface("linux", {"GLOO_SOCKET_IFNAME": "eth0"}) == "lo", "the ranks stay on loopback"
+    assert _loopback_interface("darwin", {}) == "lo0"
+    assert _loopback_interface("darwin", {"GLOO_SOCKET_IFNAME": "lo1"}) == "lo1"

@@ -164,6 +164,12 @@ class _Rank:
                 pass
 
 
+def _loopback_interface(platform, env):
+    """The interface gloo binds the ranks to: Linux's loopback is ``lo``; macOS and the BSDs call it
+    ``lo0`` (a GLOO_SOCKET_IFNAME the learner set is kept there)."""
+    return "lo" if platform.startswith("linux") else env.get("GLOO_SOCKET_IFNAME", "lo0")
+
+
 def _spawn(world_size, backend, pg_timeout, group=True):
     """Start the ranks: forked from the fork server (or fresh interpreters), rendezvous on a socket
     bound before anyone uses it.
@@ -189,7 +195,7 @@ def _spawn(world_size, backend, pg_timeout, group=True):
                 LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-                GLOO_SOCKET_IFNAME="lo" if sys.platform.startswith("linux") else env.get("GLOO_SOCKET_IFNAME", "lo0"),
+                GLOO_SOCKET_IFNAME=_loopback_interface(sys.platform, env),
                 NCCL_SOCKET_IFNAME="lo",
                 COURSE_UTILS_BACKEND=backend, COURSE_UTILS_PG_TIMEOUT=str(pg_timeout),
                 COURSE_UTILS_CMD_FD=str(cmd_r), COURSE_UTILS_RES_FD=str(res_w),
