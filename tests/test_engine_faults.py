@@ -335,3 +335,13 @@ def test_gloo_binds_to_the_loopback_interface_of_each_system():
     assert _loopback_interface("linux", {"GLOO_SOCKET_IFNAME": "eth0"}) == "lo", "the ranks stay on loopback"
     assert _loopback_interface("darwin", {}) == "lo0"
     assert _loopback_interface("darwin", {"GLOO_SOCKET_IFNAME": "lo1"}) == "lo1"
+
+
+def test_releasing_the_ranks_leaves_the_learners_own_loopback_connections_open(make_cluster):
+    c = make_cluster(2, timeout=20)
+    c.run("import socket\nserver = socket.create_server(('127.0.0.1', 0))\n"
+          "client = socket.create_connection(server.getsockname())\npeer, _ = server.accept()")
+    with pytest.raises(DistributedError):
+        c.run("import torch, torch.distributed as dist\nif rank == 1:\n    raise ValueError('late')\n"
+              "dist.all_reduce(torch.ones(1))")
+    assert c.run("client.sendall(b'still open')\npeer.recv(100)") == [b"still open"] * 2

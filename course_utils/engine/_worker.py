@@ -346,11 +346,21 @@ class Worker:
         keeps the gloo context, and its sockets, alive after destroy_process_group().
 
         The peers are on 127.0.0.1 (the engine binds every rank to loopback); connections to other
-        addresses are the learner's own and stay open."""
+        addresses are the learner's own and stay open, and so are the learner's loopback connections:
+        those are Python socket objects, while gloo's (and the store's) live in C++ only."""
+        import gc
+
         store_port = self.store_port
+        learners = set()
+        for obj in gc.get_objects():
+            if isinstance(obj, socket.socket):
+                try:
+                    learners.add(obj.fileno())
+                except OSError:
+                    pass
         for fd in _open_fds():
             try:
-                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                if fd in learners or not stat.S_ISSOCK(os.fstat(fd).st_mode):
                     continue
                 sock = socket.socket(fileno=fd)
             except OSError:
