@@ -36,6 +36,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)
+	@echo "Lesson 00 opens in your browser. Without one: open the URL printed below with /lab replaced by"
+	@echo "  /lab/tree/notebooks/00_launcher_tour.ipynb   (same ?token=...), e.g."
+	@echo "  http://127.0.0.1:8888/lab/tree/notebooks/00_launcher_tour.ipynb?token=<the token below>"
 	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root,) \
 		notebooks/00_launcher_tour.ipynb
 

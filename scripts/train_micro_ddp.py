@@ -22,13 +22,17 @@ SLURM, 2 nodes with one torchrun per node (sbatch --nodes=2 --ntasks-per-node=1 
 Checkpoint every 50 steps; after a crash, the same line plus --resume continues where it stopped:
     torchrun --standalone --nproc-per-node=4 scripts/train_micro_ddp.py --steps 200 --compressor powersgd \\
         --checkpoint ckpt.pt --save-every 50 --resume
-  The checkpoint holds the weights, AdamW's moments, the step and, with PowerSGD, every rank's error
-  feedback and Q: the resumed run is the uninterrupted one to the last bit. PowerSGD's state is per
+  The checkpoint holds the weights, AdamW's moments, the step, MicroDDP's rebuilt bucket order and,
+  with PowerSGD, every rank's error feedback and Q: on the CPU with gloo the resumed run is the
+  uninterrupted one to the last bit (on GPUs to float rounding: NCCL and some CUDA kernels are not
+  bit-deterministic). Without the bucket order a run of more than 2 ranks would differ in the last
+  bits: the layout fixes the order in which the ring adds each element. PowerSGD's state is per
   rank, so it resumes only at the world size that saved it; the other compressors resume at any.
 
 Rank 0 prints ``final_loss=<value>`` at the end: the loss of the last step, averaged over the
-global batch. It depends only on the options and the world size, never on how the ranks are
-spread over nodes: the data is sharded by global rank, and nothing is random but seeded.
+global batch. On gloo/CPU it depends only on the options and the world size, never on how the
+ranks are spread over nodes: the data is sharded by global rank, and nothing is random but seeded.
+On NCCL the algorithm and channels depend on the topology, so it agrees to float rounding.
 Backend: NCCL when every local rank has its own GPU, else gloo on CPU.
 """
 import argparse
@@ -140,6 +144,8 @@ def main():
                                  f"this run has {world_size}: resume with {len(saved)} processes (e.g. torchrun "
                                  f"--nproc-per-node={len(saved)}), or start over with a new --checkpoint.")
             model.compressor.load_state_dict(to_device(saved[rank], device))  # this rank's own
+        if state.get("bucket_order"):
+            model.load_bucket_order(state["bucket_order"])  # the layout the saved run rebuilt, not a new one
         start = state["step"]
         if rank == 0:
             print(f"resumed from {args.checkpoint} at step {start}")
@@ -170,7 +176,8 @@ def main():
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             print(f"step {done:4d}  loss {loss.item():.4f}", flush=True)
         if args.checkpoint and (done == args.steps or (args.save_every and done % args.save_every == 0)):
-            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": done}
+            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
+                     "bucket_order": model.bucket_order()}
             compressor_state = to_device(model.compressor.state_dict(), "cpu")
             if compressor_state:  # PowerSGD's differs from rank to rank (each its own error feedback): gather all
                 state["compressor"] = [None] * world_size
