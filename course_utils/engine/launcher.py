@@ -124,21 +124,27 @@ class _Rank:
             self._add_line(name, line)
         self.partial[name] = rest
 
+    def read_stream(self, fd):
+        """Read what is in one stream pipe now; False when nothing was (empty, or at EOF: the rank closed or
+        redirected the fd, as os.dup2(devnull, 1) does, and it is never polled again: POLLHUP would spin)."""
+        try:
+            data = os.read(fd, 1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self.closed.add(fd)
+            return False
+        self.feed_stream(self.streams[fd], data)
+        return True
+
     def drain_streams(self):
         """Read the stream pipes until they are empty. Called once the rank said it is done: whatever it
         wrote before that (it flushes first) is in the pipes now, so no end mark is needed."""
-        for fd, name in self.streams.items():
-            while fd not in self.closed:
-                try:
-                    data = os.read(fd, 1 << 20)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
-                    data = b""
-                if not data:
-                    self.closed.add(fd)
-                    break
-                self.feed_stream(name, data)
+        for fd in self.streams:
+            while fd not in self.closed and self.read_stream(fd):
+                pass
 
     def _add_line(self, name, raw):
         text = raw.decode("utf-8", "replace").rstrip("\r").split("\r")[-1]
@@ -507,19 +513,16 @@ class Cluster:
         self._sel = None
 
     def _read(self, rk, fd):
+        if fd != rk.res_r:
+            if not rk.read_stream(fd) and fd in rk.closed:
+                self._forget_selector()  # registered again without the closed fd
+            return
         try:
             data = os.read(fd, 1 << 20)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data = b""
-        if fd != rk.res_r:
-            if data:
-                rk.feed_stream(rk.streams[fd], data)
-            else:  # EOF: the rank closed or redirected this fd (os.dup2(devnull, 1)); POLLHUP would spin
-                rk.closed.add(fd)
-                self._forget_selector()
-            return
         if not data:
             self._mark_dead(rk)  # the worker's end closed: it exited
             return
