@@ -353,7 +353,7 @@ class Worker:
         store_port = self.store_port
         learners = set()
         for obj in gc.get_objects():
-            if isinstance(obj, socket.socket):
+            if issubclass(type(obj), socket.socket):  # type(): a lazy module attribute's __class__ would warn
                 try:
                     learners.add(obj.fileno())
                 except OSError:
@@ -571,15 +571,24 @@ class Worker:
             except KeyboardInterrupt:
                 continue
             if msg[0] == "shutdown":
-                break
+                break  # no destroy_process_group: the process ends at once (os._exit), and so do its peers
             self.execute(msg)
-        self.destroy_process_group()
 
 
 if __name__ == "__main__":
     faulthandler.enable()  # a segfault prints the Python stack, which the notebook relays
     _die_with_parent(int(os.environ["COURSE_UTILS_PARENT_PID"]))
     sys.modules.setdefault("course_utils.engine._worker", sys.modules["__main__"])
-    Worker().main()
-    sys.stdout.flush()
-    os._exit(0)
+    code = 0
+    try:
+        Worker().main()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    try:
+        sys.stdout.flush()  # a cell may have replaced or closed it
+    except Exception:
+        pass
+    os._exit(code)  # never the interpreter's shutdown, which gloo's threads can abort (see _forkstart.PRELOAD)
