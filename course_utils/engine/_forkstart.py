@@ -47,6 +47,11 @@ def _end_with_the_notebook():
 if os.environ.get(_SERVER_OF) and multiprocessing.parent_process() is None and os.getppid() == int(
         os.environ[_SERVER_OF]):
     _end_with_the_notebook()
+    import gc
+
+    # In the server, after the preload (this module comes last): its ~280k objects (torch, torch._dynamo)
+    # are never collected in the ranks, so their gc passes stay cheap and touch none of the shared pages.
+    gc.freeze()
 _state = {"ctx": None, "failed": None, "noted": False, "restarted": False}
 
 
@@ -233,9 +238,6 @@ def _rank_main(env, fds, threads):
     from course_utils.engine import _worker
 
     _worker._die_with_parent(os.getppid())  # the server, which ends when the notebook process does
-    import gc
-
-    gc.freeze()  # the server's objects (torch, torch._dynamo: ~280k) are never collected: gc passes stay cheap
     code = 0
     try:
         _worker.Worker().main()

@@ -32,7 +32,7 @@ from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: pu
 BACKENDS = ("auto", "gloo", "nccl")
 ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own
 RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
-DEAD_TOGETHER_S = 0.5  # after a rank dies, how long the report waits for others that die with it
+DEAD_TOGETHER_S = 0.1  # after a rank dies, how long the report waits for others that die with it
 START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
 PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
 POLL_S = 0.1           # how often the loop asks the OS whether a rank exited
