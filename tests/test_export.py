@@ -103,5 +103,5 @@ def test_write_script_keeps_cells_and_pushes_in_order(tmp_path):
                                             ("cell", "-n 2 --rank 0", "a + lr")], world_size=2)
     text = path.read_text()
     ast.parse(text)
-    assert text.index("a = 1") < text.index("# %ddp push lr") < text.index("_undo = _only_rank(0)") < \
+    assert text.index("a = 1") < text.index("# %ddp push lr") < text.index("with _only_rank(0):") < \
         text.index("_show(a + lr)") < text.rindex("dist.destroy_process_group()")

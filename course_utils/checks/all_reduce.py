@@ -387,8 +387,8 @@ def stuck_calls(exc):
     torch.distributed call it waits in ("rank 0: in recv() at Cell In[7], line 5: dist.recv(buf, left)"), read
     from the report's Python stacks; empty if the report has none."""
     out = []
-    for block in (getattr(exc, "details", "") or "").split("Python stack of rank ")[1:]:
-        rank, lines = block.split(" ", 1)[0], [line.strip() for line in block.splitlines()[1:]]
+    for rank, stack in sorted(getattr(exc, "stacks", {}).items()):
+        lines = [line.strip() for line in stack.splitlines()]
         frames = [(line[5:], lines[i + 1] if i + 1 < len(lines) else "")
                   for i, line in enumerate(lines) if line.startswith("File ")]
         own = [f for f in frames if not f[0].startswith('"torch/') and "course_utils" not in f[0]]

@@ -15,8 +15,9 @@ class DistributedError(RuntimeError):
     """A rank failed. ``str()`` names the first failing rank, its traceback and the others' state."""
 
     def __init__(self, summary, details="", *, rank=None, exc_type=None, exc_message=None,
-                 rank_traceback=None, ranks=None):
+                 rank_traceback=None, ranks=None, stacks=None):
         super().__init__(summary)
+        self.stacks = stacks or {}  # rank -> its Python stack (a timeout's stuck ranks), as text
         self.summary, self.details = summary, details
         self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
         self.rank_traceback = rank_traceback
@@ -170,7 +171,8 @@ def timeout_error(world_size, results, stacks, timeout, note, backend=None):
     return DistributedTimeout(
         f"{plural(stuck) if stuck else 'the ranks'} did not finish within {timeout:g} s "
         "(a rank skipped a collective, or is still computing: raise --timeout if so).",
-        "\n".join(lines), ranks=states)
+        "\n".join(lines), ranks=states,
+        stacks={r: stacks.get(r, {}).get("stack", "") for r in stuck if stacks.get(r, {}).get("stack")})
 
 
 def dead_error(codes, note):
