@@ -203,7 +203,8 @@ def _labelled(page, description):
 
 def _control(lesson, description):
     """The widget whose label reads ``description`` (a slider, a dropdown...)."""
-    return lesson.page.locator(".jp-Notebook .jupyter-widgets.widget-inline-hbox").filter(
+    # the row that holds its label (ipywidgets 8's SelectionSlider row lacks the jupyter-widgets class)
+    return lesson.page.locator(".jp-Notebook .widget-inline-hbox").filter(
         has=_labelled(lesson.page, description)).first
 
 

@@ -145,8 +145,8 @@ def test_the_ranks_argv_is_one_value_and_cells_run_in_a_real_main_module(two):
         assert argv == ["ddp-cell"] and same and name == "Net" and value == 42
 
 
-# -- 6. the process group is freed, so nothing outlives it --------------------------------------------
-def test_an_optimizer_built_on_the_ranks_does_not_keep_the_destroyed_group_alive(two):
+# -- torch.distributed.nn imported before any group (the capstone's abort) --------------------------------------------
+def test_torch_distributed_nn_never_captures_a_live_group_in_its_defaults(two):
     got = two.run("import gc, os, torch, torch.distributed as dist\n"
                   "torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())  # imports torch._dynamo lazily\n"
                   "import torch.distributed.nn.functional as F\n"
@@ -344,3 +344,25 @@ def test_releasing_the_ranks_leaves_the_learners_own_loopback_connections_open(m
         c.run("import torch, torch.distributed as dist\nif rank == 1:\n    raise ValueError('late')\n"
               "dist.all_reduce(torch.ones(1))")
     assert c.run("client.sendall(b'still open')\npeer.recv(100)") == [b"still open"] * 2
+
+
+def test_a_spawn_rank_that_drops_its_ddp_and_group_ends_cleanly_every_time():
+    """The last reference to a gloo group going with a DDP Reducer, right after its works, deadlocked a rank
+    in ~ProcessGroupGloo (which joins its threads holding the GIL) once torch.distributed.nn no longer leaked
+    the group: the ranks now keep every group until they exit."""
+    from course_utils import spawn
+
+    def demo(rank, world_size):
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        model = DDP(torch.nn.Linear(4, 4))
+        for _ in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+        dist.destroy_process_group()
+        return rank
+
+    for _ in range(5):
+        assert spawn(demo, args=(2,), nprocs=2, timeout=60) == [0, 1]

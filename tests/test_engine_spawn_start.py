@@ -27,7 +27,7 @@ from test_engine import (  # noqa: F401  (collected here again, with this module
 from test_engine_faults import (  # noqa: F401  (the review's faults, on this path too)
     test_a_cell_that_redirects_fd_1_finishes_at_once_keeps_the_names_and_does_not_spin,
     test_a_cell_that_sets_sys_stdout_to_none_does_not_kill_the_rank,
-    test_an_optimizer_built_on_the_ranks_does_not_keep_the_destroyed_group_alive,
+    test_torch_distributed_nn_never_captures_a_live_group_in_its_defaults,
     test_every_rank_and_every_restart_draws_its_own_random_state,
     test_interrupt_while_the_ranks_start_leaves_no_rank_running,
     test_output_is_grouped_by_rank_even_when_higher_ranks_print_first,

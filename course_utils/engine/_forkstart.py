@@ -19,8 +19,9 @@ import threading
 # torch._dynamo (which imports torch.distributed.nn) before any rank has a process group: imported
 # later, by the first optimizer or DDP, torch.distributed.nn's `group=group.WORLD` default arguments
 # capture the live group and keep it, and its gloo threads, alive after destroy_process_group()
-# (see scripts/train_micro_ddp.py's setup()). It also saves each rank that import (about 1 s), and
-# starts no threads.
+# (see scripts/train_micro_ddp.py's setup()), by accident and for the first group only. The ranks
+# keep every group on purpose instead (_worker.keep_every_group_alive) and end with os._exit. The
+# preload also saves each rank that import (about 1 s), and starts no threads.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn",
            "torch._dynamo", "cloudpickle",
            "course_utils.engine._wire", "course_utils.engine._worker", "course_utils.engine._forkstart"]

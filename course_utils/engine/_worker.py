@@ -197,6 +197,33 @@ def _stopped_in_import(exc):
     return False
 
 
+_GROUPS = []  # every process group this rank ever made (see keep_every_group_alive)
+
+
+def keep_every_group_alive():
+    """A rank never frees a process group: it keeps each one until it exits, with os._exit.
+
+    torch 2.13's ~ProcessGroupGloo joins its worker threads while the caller holds the GIL, and a worker
+    that is still destroying a finished work (its ThreadLocalState holds a Python object) waits for the
+    GIL: a deadlock, seen here when the last reference went with a DDP Reducer in a spawn() rank (the
+    rank hung for good, its watchdog thread unable to run). Before torch.distributed.nn was imported
+    ahead of the group (_forkstart.PRELOAD), its default arguments happened to keep every group alive;
+    this keeps them alive on purpose, covering new_group and DeviceMesh groups too."""
+    import torch.distributed.distributed_c10d as c10d
+
+    made = c10d._new_process_group_helper
+    if getattr(made, "_keeps_groups", False):
+        return
+
+    def new_process_group_helper(*args, **kwargs):
+        out = made(*args, **kwargs)
+        _GROUPS.append(out)
+        return out
+
+    new_process_group_helper._keeps_groups = True
+    c10d._new_process_group_helper = new_process_group_helper
+
+
 class Worker:
     def __init__(self):
         env = os.environ
@@ -342,8 +369,8 @@ class Worker:
     def cut_peer_connections(self):
         """Shut down this rank's TCP connections to the other ranks (not those to the store), so
         that ranks waiting for us in a collective get an error now. Destroying the process group
-        is not enough: once torch._dynamo is imported (by the first optimizer or DDP), something
-        keeps the gloo context, and its sockets, alive after destroy_process_group().
+        is not enough: a rank keeps every group it made alive, and with it the gloo context and its
+        sockets (see keep_every_group_alive).
 
         The peers are on 127.0.0.1 (the engine binds every rank to loopback); connections to other
         addresses are the learner's own and stay open, and so are the learner's loopback connections:
@@ -526,6 +553,7 @@ class Worker:
         import torch.distributed as dist
         import torch.distributed.nn  # noqa: F401
 
+        keep_every_group_alive()
         dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG set after the server started
         torch.seed()  # a seed from the OS, as a fresh interpreter draws one
         numpy = sys.modules.get("numpy")
