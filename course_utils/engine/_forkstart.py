@@ -239,16 +239,4 @@ def _rank_main(env, fds, threads):
     from course_utils.engine import _worker
 
     _worker._die_with_parent(os.getppid())  # the server, which ends when the notebook process does
-    code = 0
-    try:
-        _worker.Worker().main()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    try:
-        sys.stdout.flush()  # a cell may have replaced or closed it
-    except Exception:
-        pass
-    os._exit(code)  # never the interpreter's shutdown, which gloo's threads can abort (see _forkstart.PRELOAD)
+    _worker.run_rank()

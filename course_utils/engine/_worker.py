@@ -603,20 +603,24 @@ class Worker:
             self.execute(msg)
 
 
-if __name__ == "__main__":
-    faulthandler.enable()  # a segfault prints the Python stack, which the notebook relays
-    _die_with_parent(int(os.environ["COURSE_UTILS_PARENT_PID"]))
-    sys.modules.setdefault("course_utils.engine._worker", sys.modules["__main__"])
+def run_rank():
+    """Run this rank's Worker, then end with os._exit: never through the interpreter's shutdown, which
+    gloo's threads can abort (see _forkstart.PRELOAD). Both start paths end here."""
     code = 0
     try:
         Worker().main()
     except BaseException:
-        import traceback
-
         traceback.print_exc()
         code = 1
     try:
         sys.stdout.flush()  # a cell may have replaced or closed it
     except Exception:
         pass
-    os._exit(code)  # never the interpreter's shutdown, which gloo's threads can abort (see _forkstart.PRELOAD)
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    faulthandler.enable()  # a segfault prints the Python stack, which the notebook relays
+    _die_with_parent(int(os.environ["COURSE_UTILS_PARENT_PID"]))
+    sys.modules.setdefault("course_utils.engine._worker", sys.modules["__main__"])
+    run_rank()

@@ -642,7 +642,7 @@ class Cluster:
                     self._pump(min(0.05, deadline - now))
                     if live is not None:
                         live.update(ranks, time.monotonic() - t0)
-                dead = [rk for rk in self._ranks if rk.dead and not self._complete(rk, results, run_id)]
+                dead = [rk for rk in self._ranks if rk.dead and rk.rank not in results]
                 if dead:
                     raise self._report("dead", run_id, only_rank, dead=dead)
             except KeyboardInterrupt:
@@ -658,10 +658,6 @@ class Cluster:
                 raise self._report("error", run_id, only_rank)
         self._show(only_rank)
         return [results[r][1] for r in range(self.world_size)]
-
-    @staticmethod
-    def _complete(rk, results, run_id):
-        return rk.rank in results
 
     def _close_live(self):
         live, self._live = self._live, None
@@ -720,8 +716,8 @@ class Cluster:
         done = self._done.setdefault(reset_id, {})
         self._send_all(lambda rid: ("reset", rid, gen, self._pg_timeout))
         self._pump_until(lambda: any(rk.dead for rk in self._ranks)
-                         or all(self._complete(rk, done, reset_id) for rk in self._ranks), time.monotonic() + 30)
-        return all(self._complete(rk, done, reset_id) and done[rk.rank][0] for rk in self._ranks)
+                         or all(rk.rank in done for rk in self._ranks), time.monotonic() + 30)
+        return all(rk.rank in done and done[rk.rank][0] for rk in self._ranks)
 
     def _recover(self, run_id, interrupt=False):
         """Release every rank and rebuild the process group; replace the ranks if that fails.
@@ -741,13 +737,13 @@ class Cluster:
                 except OSError:
                     pass
         if not self._group:  # spawn(): one-shot ranks; stop them all, as torch.multiprocessing.spawn does
-            self._pump_until(lambda: all(self._complete(rk, results, run_id) for rk in self._ranks),
+            self._pump_until(lambda: all(rk.rank in results for rk in self._ranks),
                              time.monotonic() + 1.0)
             self._replace(start=False)
             return "The other ranks were stopped."
-        self._pump_until(lambda: all(self._complete(rk, results, run_id) for rk in self._ranks)
+        self._pump_until(lambda: all(rk.rank in results for rk in self._ranks)
                          or any(rk.dead for rk in self._ranks), time.monotonic() + RELEASE_S)
-        if all(self._complete(rk, results, run_id) for rk in self._ranks) and self._rebuild_group():
+        if all(rk.rank in results for rk in self._ranks) and self._rebuild_group():
             return "The ranks were released and the process group rebuilt; names you defined are kept."
         self._replace(start=not interrupt)  # after an interrupt, start lazily: the cell returns now
         return "The ranks were replaced with fresh ones; names you defined on them are gone."
@@ -765,7 +761,7 @@ class Cluster:
                         self._mark_dead(rk)
                 alive = [rk for rk in alive if not rk.dead]
                 time.sleep(0.05)
-            dead = [rk for rk in self._ranks if rk.dead and not self._complete(rk, self._done.get(run_id, {}), run_id)]
+            dead = [rk for rk in self._ranks if rk.dead and rk.rank not in self._done.get(run_id, {})]
             for rk in dead:
                 try:
                     rk.proc.wait(timeout=2)
