@@ -35,12 +35,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# The learner works in my-notebooks/ (git-ignored): scripts/learner_copy.py copies each lesson it lacks with
+# outputs cleared and never overwrites one; notebooks/ keeps the stored outputs that nbval checks.
 lab: $(STAMP)
-	@echo "Lesson 00 opens in your browser. Without one: open the URL printed below with /lab replaced by"
-	@echo "  /lab/tree/notebooks/00_launcher_tour.ipynb   (same ?token=...), e.g."
-	@echo "  http://127.0.0.1:8888/lab/tree/notebooks/00_launcher_tour.ipynb?token=<the token below>"
+	$(BIN)/python scripts/learner_copy.py
+	@echo "Lesson 00 of your copy (my-notebooks/) opens in your browser. Without one: open the URL printed below"
+	@echo "  with /lab replaced by /lab/tree/my-notebooks/00_launcher_tour.ipynb   (same ?token=...), e.g."
+	@echo "  http://127.0.0.1:8888/lab/tree/my-notebooks/00_launcher_tour.ipynb?token=<the token below>"
 	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root,) \
-		notebooks/00_launcher_tour.ipynb
+		my-notebooks/00_launcher_tour.ipynb
 
 # pytest's exit code is make's verdict: any non-zero code (1 failed, 5 collected nothing) fails the target.
 test: $(STAMP)

@@ -8,7 +8,6 @@ process behind, and reading a notebook's rendered cells.
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,16 +34,16 @@ LAB_SETTINGS = {
 
 
 class JupyterLab:
-    """One JupyterLab on 127.0.0.1 with a random token, serving a temporary copy of a notebooks dir.
+    """One JupyterLab on 127.0.0.1 with a random token, serving ``root`` (a temporary directory laid out as the
+    repository is for a learner: the README and ``my-notebooks/``, the copy that `make lab` makes).
 
     Everything it writes (settings, workspaces, runtime files, executed notebooks) stays under
     ``tmp``, so running cells never touches the repository.
     """
 
-    def __init__(self, notebooks: Path, tmp: Path):
+    def __init__(self, root: Path, tmp: Path):
         self.tmp = tmp
-        self.root = tmp / "notebooks"
-        shutil.copytree(notebooks, self.root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        self.root = root
         self.token = secrets.token_hex(24)
         self.log_path = tmp / "jupyterlab.log"
         self.proc = None

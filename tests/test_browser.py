@@ -5,24 +5,31 @@
 Needs /usr/bin/chromium (.ci/install_browser.sh installs it; Playwright drives it and never
 downloads a browser of its own). Without it the test is skipped, except when CI=true: there a
 skip would hide that the browser test never ran, so it fails. One JupyterLab serves a temporary
-copy of notebooks/ for the whole module, so running cells never modifies the repository.
+learner's copy for the whole module: the temporary root holds the README and my-notebooks/, made by
+scripts/learner_copy.py exactly as `make lab` makes it (outputs cleared), so the test opens each lesson as a
+learner does, sees no stored output, and running cells never modifies the repository.
 Screenshots and a timing log go to a temporary directory (printed in the log of the test's setup), or to
 $BROWSER_ARTIFACTS when set (test-artifacts/ is git-ignored for that: BROWSER_ARTIFACTS=test-artifacts/browser).
 """
 import json
 import os
 import re
+import shutil
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import learner_copy  # noqa: E402
 from browser_helpers import (CHROMIUM, CHROMIUM_ARGS, JupyterLab, notebook_panel, open_notebook,
                              read_cells, run_all_cells, save_notebook, wait_for)
 from conftest import ROOT, in_ci
 
 NOTEBOOKS = ROOT / "notebooks"
 LESSONS = ["00_launcher_tour.ipynb", "10_tradeoffs.ipynb"]
+COPY = "my-notebooks"  # the learner's copy, as `make lab` names it
 # The cost-model controls of 10_tradeoffs, by their descriptions; moving any of them redraws the plot.
 CONTROLS = ["world size", "model size", "bandwidth", "latency", "micro-batch", "accum steps", "compression"]
 RANK_LINE = re.compile(r"^\[rank (\d+)\] ", re.M)
@@ -45,7 +52,11 @@ def _missing(what):
 def lab(tmp_path_factory):
     if not CHROMIUM.exists():
         _missing(f"{CHROMIUM} is not installed")
-    lab = JupyterLab(NOTEBOOKS, tmp_path_factory.mktemp("jupyterlab")).start()
+    tmp = tmp_path_factory.mktemp("jupyterlab")
+    root = tmp / "course"
+    learner_copy.sync(NOTEBOOKS, root / COPY)
+    shutil.copy(ROOT / "README.md", root / "README.md")  # the lessons link to ../README.md
+    lab = JupyterLab(root, tmp).start()
     yield lab
     # Kernels through the REST API, then the server; whatever outlives them is killed and reported
     # here, as an error in the teardown of the module's last test.
@@ -80,8 +91,9 @@ def browser(lab, tmp_path_factory):
 class Lesson:
     """One lesson after Run All Cells in the browser: the page, its cells, and the notebook files."""
 
-    def __init__(self, name, page, cells, saved, committed, seconds, artifacts):
+    def __init__(self, name, page, opened, cells, saved, committed, seconds, artifacts):
         self.name, self.page, self.cells, self.saved, self.committed = name, page, cells, saved, committed
+        self.opened = opened  # the cells as the page showed them when the lesson was opened, before running
         self.seconds, self.artifacts = seconds, artifacts
         self.stem = name.removesuffix(".ipynb")
 
@@ -108,15 +120,17 @@ def lessons(lab, browser, artifacts):
             console = []
             page.on("pageerror", lambda exc: console.append(f"page error: {exc}"))
             t0 = time.monotonic()
-            open_notebook(page, lab, name, len(committed["cells"]))
-            run_all_cells(page, lab, name)
+            where = f"{COPY}/{name}"
+            open_notebook(page, lab, where, len(committed["cells"]))
+            opened = read_cells(page)
+            run_all_cells(page, lab, where)
             seconds = time.monotonic() - t0
             cells = read_cells(page)
             page.screenshot(path=str(artifacts / f"{name.removesuffix('.ipynb')}_after_run_all.png"))
-            saved = save_notebook(page, lab, name)
+            saved = save_notebook(page, lab, where)
             (artifacts / f"{name.removesuffix('.ipynb')}_log.txt").write_text(
                 f"open + run all cells: {seconds:.1f} s\n" + "\n".join(console) + "\n")
-            done[name] = Lesson(name, page, cells, saved, committed, seconds, artifacts)
+            done[name] = Lesson(name, page, opened, cells, saved, committed, seconds, artifacts)
         return done[name]
 
     return get
@@ -128,6 +142,17 @@ def _tagged(nb):
 
 def _source(cell):
     return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_the_learners_copy_opens_with_no_stored_output(lessons, name):
+    lesson = lessons(name)
+    stored = [i for i, c in enumerate(lesson.committed["cells"]) if c.get("outputs")]
+    assert stored, f"notebooks/{name} stores no output: this test could not tell the copy from the original"
+    shown = [(i, c["prompt"].strip(), c["output"][:60]) for i, c in enumerate(lesson.opened)
+             if c["output"].strip() or c["prompt"].strip() not in ("", "[ ]:")]
+    assert not shown, (f"{COPY}/{name} opened showing stored outputs (cell, prompt, output), which answer its "
+                       f"'Predict first' questions: {shown}")
 
 
 @pytest.mark.parametrize("name", LESSONS)

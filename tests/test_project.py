@@ -117,7 +117,10 @@ def _readme_quick_start():
 
 def test_readme_quick_start_is_the_two_make_targets():
     commands = _readme_quick_start()
-    assert list(commands) == ["make lab", "make test"], f"the README's quick start promises two commands: {commands}"
+    cpu = f"make lab TORCH_INDEX_URL={CPU_INDEX}"
+    assert list(commands) == ["make lab", "make test", cpu], (
+        f"the README's quick start promises two commands, and the first one's CPU-only variant: {commands}")
+    assert "CPU-only" in commands.pop(cpu), "README: the third line says it is the CPU-only build of torch"
     for command, says in commands.items():
         assert "creates (or reuses) .venv" in says, f"README: `{command}` # {says}"
         target = command.split()[1]
@@ -162,11 +165,14 @@ def test_the_torch_wheel_index_is_one_make_variable_empty_by_default():
     assert not re.search(r"torch==\d", makefile), "one torch pin, in pyproject.toml: the Makefile reads it from there"
 
 
-def test_make_lab_opens_the_first_lesson_on_loopback():
-    (argv,) = _dry_run("lab")
+def test_make_lab_opens_the_first_lesson_of_the_learners_copy_on_loopback():
+    copy, argv = _dry_run("lab")
+    assert copy == [str(BIN / "python"), "scripts/learner_copy.py"], f"`make lab` first makes the copy: {copy}"
     assert argv[:2] == [str(BIN / "jupyter"), "lab"], f"`make lab` should start JupyterLab: {argv}"
     assert "--ip=127.0.0.1" in argv, f"README: JupyterLab listens on 127.0.0.1 only: {argv}"
-    assert argv[-1] == "notebooks/00_launcher_tour.ipynb", f"README: open 00_launcher_tour first: {argv}"
+    assert argv[-1] == "my-notebooks/00_launcher_tour.ipynb", f"README: open 00_launcher_tour of the copy first: {argv}"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "my-notebooks/00_launcher_tour.ipynb"], cwd=ROOT)
+    assert ignored.returncode == 0, "my-notebooks/ must be git-ignored: saving a lesson there leaves git status clean"
 
 
 def test_make_test_is_plain_pytest_over_tests_and_notebooks():

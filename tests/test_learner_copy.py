@@ -1,0 +1,98 @@
+"""scripts/learner_copy.py, run by `make lab` first: my-notebooks/, outputs cleared, never overwritten."""
+import json
+import shutil
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import learner_copy  # noqa: E402
+
+LESSONS = sorted((ROOT / "notebooks").glob(learner_copy.LESSON_GLOB))
+
+
+def _outputs(nb):
+    return [c for c in nb.cells if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+
+
+def test_the_copy_has_every_lesson_with_outputs_cleared_and_sources_kept(tmp_path):
+    added, kept = learner_copy.sync(ROOT / "notebooks", tmp_path / "my-notebooks")
+    assert added == [p.name for p in LESSONS] and kept == [], (added, kept)
+    stored_any = False
+    for lesson in LESSONS:
+        original = nbformat.read(lesson, as_version=4)
+        copy = nbformat.read(tmp_path / "my-notebooks" / lesson.name, as_version=4)
+        stored_any = stored_any or bool(_outputs(original))
+        assert not _outputs(copy), f"{lesson.name}: the learner's copy still shows stored outputs"
+        assert "widgets" not in copy.metadata, f"{lesson.name}: the copy keeps stored widget state"
+        assert [c.source for c in copy.cells] == [c.source for c in original.cells], f"{lesson.name}: sources differ"
+        assert [c.metadata.get("tags") for c in copy.cells] == [c.metadata.get("tags") for c in original.cells]
+        nbformat.validate(copy)
+    assert stored_any, "notebooks/ stores no output at all: this test would not see a copy that keeps them"
+
+
+def test_an_existing_copy_is_kept_and_a_new_lesson_is_added(tmp_path):
+    src, dest = tmp_path / "notebooks", tmp_path / "my-notebooks"
+    src.mkdir()
+    for lesson in LESSONS[:2]:
+        shutil.copy(lesson, src / lesson.name)
+    learner_copy.sync(src, dest)
+    edited = dest / LESSONS[0].name
+    nb = nbformat.read(edited, as_version=4)
+    nb.cells[0].source = "my notes"
+    nbformat.write(nb, edited)
+    before = edited.read_bytes()
+    # lessons 15 and 16 appear in notebooks/ later: the next `make lab` copies them and keeps the rest
+    for new in ("15_later_lesson.ipynb", "16_another_one.ipynb"):
+        shutil.copy(LESSONS[1], src / new)
+    added, kept = learner_copy.sync(src, dest)
+    assert added == ["15_later_lesson.ipynb", "16_another_one.ipynb"], added
+    assert kept == [LESSONS[0].name, LESSONS[1].name], kept
+    assert edited.read_bytes() == before, "the learner's edited lesson was overwritten"
+    assert not _outputs(nbformat.read(dest / "15_later_lesson.ipynb", as_version=4))
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in src.iterdir()), "no partial files left"
+    # a fresh copy of one lesson: delete it and run again
+    edited.unlink()
+    added, _ = learner_copy.sync(src, dest)
+    assert added == [LESSONS[0].name] and nbformat.read(edited, as_version=4).cells[0].source != "my notes"
+
+
+def test_links_between_lessons_resolve_in_the_copy(tmp_path):
+    """The copy sits beside notebooks/: every relative link of a lesson (next lesson, ../README.md) still resolves."""
+    import re
+    dest = ROOT / "my-notebooks"  # where `make lab` puts it: a sibling of notebooks/
+    assert dest.parent == (ROOT / "notebooks").parent
+    broken = []
+    for lesson in LESSONS:
+        for cell in nbformat.read(lesson, as_version=4).cells:
+            if cell.cell_type != "markdown":
+                continue
+            for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", cell.source):
+                if re.match(r"[a-z]+:", target):
+                    continue  # a web address
+                if target.endswith(".ipynb"):  # another lesson: the copy holds every lesson of notebooks/
+                    ok = (ROOT / "notebooks" / target).resolve().parent == ROOT / "notebooks" and (
+                        ROOT / "notebooks" / target).exists()
+                else:  # anything else (../README.md) as seen from my-notebooks/
+                    ok = (dest / target).resolve().exists()
+                if not ok:
+                    broken.append((lesson.name, target))
+    assert not broken, f"links that would not resolve from my-notebooks/: {broken}"
+
+
+def test_the_script_says_what_it_did_and_refuses_an_empty_source(tmp_path):
+    dest = tmp_path / "copy"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "learner_copy.py"), "--dest", str(dest)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and f"added {len(LESSONS)} lesson(s)" in run.stdout, run.stdout + run.stderr
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "learner_copy.py"), "--dest", str(dest)],
+                           capture_output=True, text=True, timeout=120)
+    assert "added" not in again.stdout and f"kept your {len(LESSONS)}" in again.stdout, again.stdout
+    assert "delete it there and run `make lab` again" in again.stdout
+    with pytest.raises(SystemExit, match="holds no lesson"):
+        learner_copy.sync(tmp_path / "empty", dest)
+    assert json.loads((dest / LESSONS[0].name).read_text())["cells"], "the copy is a notebook"
