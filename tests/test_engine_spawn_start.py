@@ -30,6 +30,7 @@ from test_engine_faults import (  # noqa: F401  (the review's faults, on this pa
     test_torch_distributed_nn_never_captures_a_live_group_in_its_defaults,
     test_every_rank_and_every_restart_draws_its_own_random_state,
     test_interrupt_while_the_ranks_start_leaves_no_rank_running,
+    test_the_rank_finder_sees_the_ranks_on_this_start_path,
     test_output_is_grouped_by_rank_even_when_higher_ranks_print_first,
     test_settings_read_when_a_library_loads_follow_the_notebooks_environment,
     test_the_ranks_argv_is_one_value_and_cells_run_in_a_real_main_module,

@@ -285,8 +285,9 @@ class Scanner:
             gloo = requested == "gloo"
             try:
                 tree = ast.parse(body)
-            except SyntaxError:
-                continue
+            except SyntaxError as exc:  # a cell this check cannot read is a cell it would wave through
+                raise AssertionError(f"cell {i}: the %%ddp cell does not parse, so its NCCL "
+                                     f"placement cannot be checked: {exc}") from None
             errors, notes = [], []
             w = Walker(self, env, f"cell {i}", report=lambda n, msg: errors.append(msg), notes=notes,
                        gloo=gloo, line_offset=1)
@@ -890,6 +891,11 @@ def test_the_rule_lets_correct_cells_through():
     wrong = {list(PASSES)[i]: r["errors"] for i, r in found.items() if r["errors"]}
     assert not wrong, f"false positives: {wrong}"
     assert found[list(PASSES).index("objects and barriers")]["notes"], "the census lists harmless CPU tensors too"
+
+
+def test_a_ddp_cell_that_does_not_parse_fails_the_scan_instead_of_being_skipped():
+    with pytest.raises(AssertionError, match=r"cell 1: the %%ddp cell does not parse"):
+        scan_source("x = 1", "%%ddp\nimport torch\nt = torch.ones(3\ndist.all_reduce(t)")
 
 
 def test_backend_gloo_pins_the_cell_and_the_cells_after_it_until_a_shutdown_or_another_backend():
