@@ -197,18 +197,20 @@ def _stopped_in_import(exc):
     return False
 
 
-_GROUPS = []  # every process group this rank ever made (see keep_every_group_alive)
+_GROUPS = []  # the process groups this rank made and has not freed yet (see keep_every_group_alive)
+_DESTROYED = set()  # ids of the kept groups that torch had destroyed at the last safe point
 
 
 def keep_every_group_alive():
-    """A rank never frees a process group: it keeps each one until it exits, with os._exit.
+    """A rank frees a process group only at a safe point, on its main thread (free_destroyed_groups).
 
     torch 2.13's ~ProcessGroupGloo joins its worker threads while the caller holds the GIL, and a worker
     that is still destroying a finished work (its ThreadLocalState holds a Python object) waits for the
     GIL: a deadlock, seen here when the last reference went with a DDP Reducer in a spawn() rank (the
-    rank hung for good, its watchdog thread unable to run). Before torch.distributed.nn was imported
-    ahead of the group (_forkstart.PRELOAD), its default arguments happened to keep every group alive;
-    this keeps them alive on purpose, covering new_group and DeviceMesh groups too."""
+    rank hung for good, its watchdog thread unable to run); freed on one of its own worker threads (a
+    callback of a failed cell holding it), a group joins itself and aborts the rank. So each group the
+    rank makes (new_group, DeviceMesh, the engine's own) is kept here, and the learner's last reference
+    never frees it."""
     import torch.distributed.distributed_c10d as c10d
 
     made = c10d._new_process_group_helper
@@ -217,11 +219,46 @@ def keep_every_group_alive():
 
     def new_process_group_helper(*args, **kwargs):
         out = made(*args, **kwargs)
-        _GROUPS.append(out)
+        pg = out[0] if isinstance(out, tuple) else out
+        if isinstance(pg, c10d.ProcessGroup):  # not GroupMember.NON_GROUP_MEMBER
+            _GROUPS.append(pg)
         return out
 
     new_process_group_helper._keeps_groups = True
     c10d._new_process_group_helper = new_process_group_helper
+
+
+def free_destroyed_groups():
+    """Free the kept groups that torch destroyed before the previous safe point and that nothing else
+    holds from Python; called on the main thread before each command from the notebook.
+
+    A group destroyed during one command is freed two commands later at the earliest: its works ended
+    long before, the rank's threads waited for the notebook in between (gloo's workers got the GIL), and
+    a callback of a failed cell that still held it has run. Without this, each new_group/destroy pair and
+    each recovery kept 4-5 fds, 3 threads and a listening socket until the rank ended (issue 30)."""
+    import gc
+
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None)
+    if world is None or not _GROUPS:
+        return
+    live = {id(pg) for pg in list(world.pg_map)}
+    gc.collect()  # cycles that hold a group (a failed cell's frames, a model the learner dropped) go first
+    keep, free = [], []
+    while _GROUPS:
+        pg = _GROUPS.pop()
+        # references: this name and getrefcount's argument; any more are the learner's (or a callback's)
+        if id(pg) not in live and id(pg) in _DESTROYED and sys.getrefcount(pg) <= 2:
+            free.append(pg)
+        else:
+            keep.append(pg)
+        del pg
+    keep.reverse()
+    _GROUPS.extend(keep)
+    _DESTROYED.clear()
+    _DESTROYED.update(id(pg) for pg in keep if id(pg) not in live)
+    del keep
+    free.clear()  # ~ProcessGroupGloo runs here, on the main thread, with no work of these groups running
 
 
 class Worker:
@@ -251,7 +288,6 @@ class Worker:
         self.ns["__builtins__"] = __builtins__
         self.libc = ctypes.CDLL(None)
         self.group_lock = threading.Lock()  # the control thread destroys the group of an idle rank
-        self.retired = []  # the last destroyed process groups, kept alive (see destroy_process_group)
         self.deferred_since = 0.0  # when a stop was first deferred for an import in progress (0: none)
         self.poisoned = ""  # why this rank must be replaced rather than reused (a stop landed mid-import)
 
@@ -327,28 +363,24 @@ class Worker:
             module.destroy_process_group = destroy_process_group
 
     def destroy_process_group(self):
-        """Destroy the group, but keep its objects alive until the next rebuild: a ProcessGroupGloo
-        freed on one of its own worker threads joins itself and aborts the rank ("Resource deadlock
-        avoided"). That happened when the last reference sat in a callback of the failed cell (a
-        PowerSGD hook's future holds its group) that gloo ran while erroring out the pending work."""
+        """Destroy the group (and every subgroup); _GROUPS keeps their objects until a later safe point
+        (free_destroyed_groups): a ProcessGroupGloo freed on one of its own worker threads joins itself
+        and aborts the rank ("Resource deadlock avoided"). That happened when the last reference sat in
+        a callback of the failed cell (a PowerSGD hook's future holds its group) that gloo ran while
+        erroring out the pending work."""
         import gc
 
         import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
 
         with self.group_lock:
             if not dist.is_initialized():
                 return
-            world = getattr(c10d, "_world", None)
-            groups = [g for g in (list(getattr(world, "pg_map", {})) + [dist.group.WORLD]) if g is not None]
             self.cut_peer_connections()
             try:
                 self.original.get("destroy", dist.destroy_process_group)()
             except Exception:
                 pass
             gc.collect()  # the failed cell's garbage (DDP, hook state, frames) is freed here, not on gloo's threads
-            self.retired, older = groups, self.retired  # the groups before: their work ended long ago
-            del older
 
     def abort_nccl(self):
         """On NCCL a rank waits in a GPU kernel, which neither a cut socket nor SIGINT reaches: abort its
@@ -600,6 +632,8 @@ class Worker:
                 continue
             if msg[0] == "shutdown":
                 break  # no destroy_process_group: the process ends at once (os._exit), and so do its peers
+            with self.group_lock:
+                free_destroyed_groups()
             self.execute(msg)
 
 
