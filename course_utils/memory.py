@@ -203,13 +203,41 @@ def peak_memory(step, *tracked):
     activation and in backward a temporary. So a buffer that is not a registered parameter (DDP's
     bucket copies, MicroFSDP's gathered weights, a reduce-scatter's input) is counted where it was
     allocated: as an activation or a temporary.
+
+    **Gradient accumulation.** ``step`` may run several forwards and backwards (micro-batches) before its
+    optimizer step. MemTracker alone refuses a module's second top-level forward ("does not support memory
+    tracking for multiple iterative calls"); its own fix is ``MemTracker.reset_mod_stats()`` before each
+    micro-batch, and ``peak_memory`` calls it there: whenever a module it has seen starts a forward outside
+    any other module's forward and outside backward. That clears only the per-module statistics; the peak
+    over the whole step, which this function returns, is kept. (A checkpointed block's recomputation runs
+    inside backward: it is not a new micro-batch.)
     """
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     tracker = MemTracker()
     tracker.track_external(*tracked)
-    with tracker:
-        step()
+    depth = [0]                                       # module forwards running now (outside backward)
+
+    def pre(module, args):
+        if torch._C._current_graph_task_id() != -1:    # inside backward (checkpointing recomputes): nothing new
+            return
+        if depth[0] == 0 and module in tracker.memory_tracking:
+            tracker.reset_mod_stats()                   # a new micro-batch: MemTracker's own fix
+        depth[0] += 1
+
+    def post(module, args, output):
+        if torch._C._current_graph_task_id() == -1:
+            depth[0] = max(depth[0] - 1, 0)
+
+    # registered before MemTracker enters: global hooks run in registration order, so ours runs first
+    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+    try:
+        with tracker:
+            step()
+    finally:
+        for h in handles:
+            h.remove()
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     by = {getattr(k, "value", k): int(v) for k, v in snap.items()}
     return {"total": by.get("Total", 0), "parameters": by.get("Parameter", 0), "gradients": by.get("Gradient", 0),

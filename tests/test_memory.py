@@ -197,3 +197,58 @@ def test_ddp_bucket_bytes_counts_the_second_copy_of_the_gradients(cluster4):
     assert r[False] == r["params"], f"DDP's default buckets copy every gradient: {r[False]} of {r['params']} bytes"
     assert r[True] == 0, "with gradient_as_bucket_view=True the gradients are the buckets: nothing extra"
     assert r["plain"] == 0, "a model without DDP has no buckets"
+
+
+class _Deep(nn.Module):
+    """Four blocks of Linear-ReLU-Linear-ReLU (each block saves three batch-sized tensors), checkpointed or not."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+                                    for _ in range(4))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x
+
+
+def _peak_with_accumulation(checkpointed, micro_batches):
+    from course_utils.memory import peak_memory
+
+    model = _Deep(checkpointed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        optimizer.zero_grad()
+        for xb in x.chunk(micro_batches):
+            (model(xb).square().mean() / micro_batches).backward()
+        optimizer.step()
+
+    step()                                            # Adam's moments exist from the second step on
+    return peak_memory(step, model, optimizer), model
+
+
+def test_peak_memory_measures_a_step_with_gradient_accumulation():
+    """MemTracker alone raises NotImplementedError at the second micro-batch; peak_memory resets its module
+    statistics there, keeps the step's peak, and the activations at the peak fall with the micro-batch."""
+    one, model = _peak_with_accumulation(False, 1)
+    eight, _ = _peak_with_accumulation(False, 8)
+    n = sum(p.numel() for p in model.parameters())
+    for peak in (one, eight):
+        assert peak["parameters"] == 4 * n and peak["total"] >= 16 * n, peak  # the whole step: state is in
+    act = 8 * 128 * 64 * 4                             # one batch-sized fp32 tensor
+    assert one["activations"] >= 8 * act, one          # the whole batch's saved tensors, all blocks
+    assert eight["activations"] <= one["activations"] / 4, (one, eight)
+    assert eight["total"] < one["total"]
+
+
+def test_peak_memory_with_accumulation_and_checkpointing():
+    """Checkpointed blocks recompute their forward inside backward: not a new micro-batch, and no error."""
+    plain, _ = _peak_with_accumulation(False, 4)
+    checkpointed, _ = _peak_with_accumulation(True, 4)
+    assert checkpointed["activations"] < plain["activations"], (plain, checkpointed)
