@@ -4,8 +4,12 @@ Introduced in 11_capstone_micro_ddp. The script starts like a ``%%ddp`` rank: it
 process group from torchrun's environment and defines ``rank``, ``world_size``, ``local_rank``
 and ``device``; then come the cells and the ``%ddp push`` values, in the order they ran, since the
 ranks were last started (names defined before a restart or a crash were gone for the later cells
-too); then ``destroy_process_group``. Each rank prints what the cells printed on it, and each
-cell's last value as ``[rank N] value`` lines, as the notebook showed them.
+too); then the cells' names are deleted and ``destroy_process_group`` frees the group before the
+interpreter ends (a DDP model left in a global kept its gloo group alive into finalisation, which
+aborted 2 runs in 15). Each rank prints what the cells printed on it, and each cell's last value as
+``[rank N] value`` lines, as the notebook showed them. As on a ``%%ddp`` rank, a cell's own
+``init_process_group`` (code written for torchrun) finds the group set up and does nothing, and its
+``destroy_process_group()`` keeps the group for the cells after it.
 """
 import ast
 import base64
@@ -44,6 +48,40 @@ if BACKEND == "nccl" or (BACKEND == "auto" and torch.cuda.is_available()
 else:
     device = torch.device("cpu")
     dist.init_process_group("gloo")
+_BACKEND = dist.get_backend()
+_torch_init, _torch_destroy = dist.init_process_group, dist.destroy_process_group
+
+
+def _init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, *args, **kwargs):
+    """A cell's own init_process_group (code written for torchrun), as on a %%ddp rank: the group is set up."""
+    if not dist.is_initialized():  # after a destroy of the script's own: the cell's call is honoured
+        return _torch_init(backend, init_method, timeout, world_size, rank, *args, **kwargs)
+    wrong = []
+    if world_size not in (-1, None) and int(world_size) != dist.get_world_size():
+        wrong.append(f"world_size={{world_size}}, but torchrun started {{dist.get_world_size()}} processes")
+    if rank not in (-1, None) and int(rank) != dist.get_rank():
+        wrong.append(f"rank={{rank}}, but this is rank {{dist.get_rank()}}")
+    if backend and str(backend).lower() != _BACKEND and ":" not in str(backend):
+        wrong.append(f"backend={{backend!r}}, but this script runs {{_BACKEND!r}}")
+    if wrong:
+        raise ValueError("init_process_group: " + "; ".join(wrong) + ". Start matching processes with "
+                         "torchrun --nproc-per-node=N.")
+    print("note: init_process_group(): the process group is already initialised (rank "
+          f"{{dist.get_rank()}} of {{dist.get_world_size()}}, {{_BACKEND}}); this call does nothing.",
+          file=sys.stderr, flush=True)
+
+
+def _destroy_process_group(group=None):
+    """A cell's destroy_process_group() keeps the group for the cells after it, as on a %%ddp rank."""
+    if group is not None and group is not dist.GroupMember.WORLD:
+        return _torch_destroy(group)
+    print("note: destroy_process_group(): kept the process group for the next cell.", file=sys.stderr, flush=True)
+
+
+import torch.distributed.distributed_c10d as _c10d  # noqa: E402
+
+for _module in (dist, _c10d):
+    _module.init_process_group, _module.destroy_process_group = _init_process_group, _destroy_process_group
 
 
 def _show(value):
@@ -68,11 +106,23 @@ class _only_rank:
         if sys.stdout is not self.saved:
             sys.stdout.close()
         sys.stdout = self.saved
+
+
+_SCRIPT_NAMES = set(globals()) | {{"_SCRIPT_NAMES"}}  # the cells' names are the others (see the end)
 '''
 
 EPILOGUE = '''
-dist.barrier()  # every rank is done with the group before any rank destroys it
-dist.destroy_process_group()
+
+# The end: every rank is done with the group before any rank destroys it. The cells' names go first: a DDP
+# model (its Reducer) or an optimizer left in a global kept the group and gloo's threads alive into the
+# interpreter's shutdown, which then aborted ("terminate called without an active exception").
+dist.barrier()
+for _name in [_name for _name in globals() if _name not in _SCRIPT_NAMES]:
+    del globals()[_name]
+import gc  # noqa: E402
+
+gc.collect()
+_torch_destroy()
 '''
 
 
