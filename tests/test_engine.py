@@ -179,9 +179,14 @@ def test_ranks_are_released_after_torch_dynamo_is_imported(cluster4):
 def test_torch_dynamo_is_imported_before_the_first_cell_and_ddp_works():
     # DDP's constructor and the first optimizer import torch._dynamo lazily: a stop in the middle of that
     # import used to leave it half-registered (every later DDP on the rank failed), and imported after
-    # init_process_group it kept the group alive. The ranks import it before their group exists.
+    # init_process_group it kept the group alive (through torch.distributed.nn's defaults). Forked ranks get
+    # it from the fork server; fresh interpreters import only torch.distributed.nn before their group (issue 30).
+    from course_utils.engine import _forkstart
+
     with Cluster(world_size=2, backend="gloo") as cluster:
-        assert cluster.run("import sys\n'torch._dynamo' in sys.modules") == [True, True]
+        forked = _forkstart.wanted()
+        assert cluster.run("import sys\n'torch.distributed.nn' in sys.modules, 'torch._dynamo' in sys.modules") \
+            == [(True, forked)] * 2
         assert cluster.run("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
                            "type(model).__name__") == ["DistributedDataParallel"] * 2
 

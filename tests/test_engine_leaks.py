@@ -1,13 +1,14 @@
-"""The engine's third review (issue 30): what a rank keeps, and how it ends.
+"""The engine's third review (issue 30): what a rank keeps, how it ends, and what it says.
 
 A rank kept every process group it ever made (against torch 2.13's deadlock in ~ProcessGroupGloo), so
 each ``new_group``/``destroy`` pair and each recovery leaked 4-5 fds and 3 threads until the fds ran out.
 """
 import sys
+import time
 
 import pytest
 
-from course_utils import DistributedError
+from course_utils import Cluster, DistributedError
 
 COUNTS = ("import os\n"
           "(len(os.listdir('/proc/self/fd')), len(os.listdir('/proc/self/task')))")
@@ -84,3 +85,16 @@ def test_groups_freed_after_async_work_and_ddp_on_a_subgroup_never_deadlock(make
               "model(torch.randn(4, 8)).sum().backward()\ndist.destroy_process_group(g)\ndel g, model")
     after = _settled(c)
     assert all(b[0] - a[0] <= 10 for a, b in zip(before, after)), f"fds {before} -> {after}"
+
+
+def test_a_shutdown_runs_the_atexit_handlers_and_flushes_open_files(tmp_path):
+    """Every rank ended with os._exit: an unclosed open(..., 'w') left a 0-byte file, atexit handlers never ran."""
+    with Cluster(world_size=2, backend="gloo") as c:
+        c.run(f"import atexit\nlog = open({str(tmp_path)!r} + f'/open{{rank}}.txt', 'w')\nlog.write('written')\n"
+              f"atexit.register(lambda: open({str(tmp_path)!r} + f'/atexit{{rank}}.txt', 'w').write('ran'))")
+    deadline = time.monotonic() + 10
+    while len(list(tmp_path.glob("atexit*.txt"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for r in (0, 1):
+        assert (tmp_path / f"open{r}.txt").read_text() == "written", "the open file was not flushed"
+        assert (tmp_path / f"atexit{r}.txt").read_text() == "ran", "the atexit handler did not run"

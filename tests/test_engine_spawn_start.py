@@ -76,3 +76,13 @@ def test_a_server_that_cannot_start_falls_back_to_fresh_interpreters_with_one_no
     assert run.stdout.splitlines() == ["['__main__', '__main__']", "['__main__']"]  # run as python -m ..._worker
     assert run.stderr.count("note: the ranks start as fresh interpreters") == 1, run.stderr
     assert "no fork server here" in run.stderr
+
+
+def test_fresh_interpreters_import_torch_distributed_nn_before_the_group_but_not_torch_dynamo():
+    """torch._dynamo (1-4 s) was imported on every start of a fresh-interpreter rank; only torch.distributed.nn,
+    whose default arguments would capture the group, must come before the group (issue 30)."""
+    from course_utils import Cluster
+
+    with Cluster(world_size=2, backend="gloo") as c:
+        assert c.run("import sys\n'torch.distributed.nn' in sys.modules, 'torch._dynamo' in sys.modules") \
+            == [(True, False)] * 2

@@ -581,9 +581,8 @@ class Worker:
         sys.modules["__main__"] = self.main_module
         sys.argv = ["ddp-cell"]  # never the kernel's or the engine's own argv: argparse sees no options
         import torch
-        import torch._dynamo  # noqa: F401  before the group exists (see _forkstart.PRELOAD); preloaded when forked
         import torch.distributed as dist
-        import torch.distributed.nn  # noqa: F401
+        import torch.distributed.nn  # noqa: F401  before the group exists (see _forkstart.PRELOAD)
 
         keep_every_group_alive()
         dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG set after the server started
@@ -637,15 +636,38 @@ class Worker:
             self.execute(msg)
 
 
+def _end_like_a_script():
+    """What a script's end does before the interpreter's shutdown: the atexit handlers run (the learner's
+    and the libraries': logging's, multiprocessing's), then every file still open for writing is flushed
+    (an unclosed open(..., 'w') kept its text in its buffer: a 0-byte file after %ddp shutdown)."""
+    import atexit
+    import gc
+    import io
+
+    try:
+        atexit._run_exitfuncs()  # prints a failing handler's traceback and goes on, as at a script's end
+    except BaseException:
+        traceback.print_exc()
+    files = [f for f in gc.get_objects() if isinstance(f, io.IOBase)]
+    for f in sorted(files, key=lambda f: not isinstance(f, io.TextIOBase)):  # text first: into its buffer
+        try:
+            if not f.closed and f.writable():
+                f.flush()
+        except Exception:
+            pass
+
+
 def run_rank():
-    """Run this rank's Worker, then end with os._exit: never through the interpreter's shutdown, which
-    gloo's threads can abort (see _forkstart.PRELOAD). Both start paths end here."""
+    """Run this rank's Worker, then end with os._exit: the atexit handlers run and open files are flushed
+    (_end_like_a_script), but not the interpreter's shutdown, which gloo's threads can abort (see
+    _forkstart.PRELOAD). Both start paths end here."""
     code = 0
     try:
         Worker().main()
     except BaseException:
         traceback.print_exc()
         code = 1
+    _end_like_a_script()
     try:
         sys.stdout.flush()  # a cell may have replaced or closed it
     except Exception:
