@@ -1,0 +1,437 @@
+"""Plumbing for 16_debugging_and_profiling: run a planted-bug job under torchrun and read what a cluster's tools
+leave behind, then read a profiler trace.
+
+* ``run_job``: ``torchrun -m course_utils.planted_bugs`` with a short process-group timeout; a ``Job`` with each
+  rank's last words, torchrun's failure summary, the Flight Recorder dumps and (``spy=True``) py-spy's stacks.
+* ``fix_gloo_dumps``, ``analyze``: torch's Flight Recorder analyzer (``fr_trace``) on a folder of dumps.
+* ``read_dump``, ``dump_table``: one rank's recorded collectives, as a table.
+* ``pyspy_dump``: the Python stack of a running process, by ``py-spy dump``.
+* ``trace_events``, ``step_intervals``, ``plot_trace``: a ``torch.profiler`` Chrome trace, per thread.
+
+Introduced in 16_debugging_and_profiling.
+"""
+import os
+import pickle
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_TORCH_DIR = None
+
+
+def _torch_dir():
+    global _TORCH_DIR
+    if _TORCH_DIR is None:
+        import torch
+        _TORCH_DIR = str(Path(torch.__file__).resolve().parent.parent)
+    return _TORCH_DIR
+
+
+# -- what a rank and torchrun print, made comparable between runs ------------------------------------------------
+
+_CPP_WHERE = re.compile(r"\[(?:enforce fail at )?/[^\]]*\.(?:cc|cpp|h):\d+\] ?")
+_PEER = re.compile(r"\[(127\.0\.0\.1|::1|localhost)\]:\d+")
+_FINGERPRINT_TAIL = re.compile(r", TensorDeviceTypes=TensorOptions\(.*?memory_format=\(\w+\)\)\)")
+_OWN_FINGERPRINT = re.compile(r"is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?OpType=(\w+)"
+                              r"(?:, TensorShape=(\[[\d, ]*\]), TensorDtypes=(\w+))?")
+_SIGNALS = {-int(s): s.name for s in (signal.SIGABRT, signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV)}
+
+
+def clean(line):
+    """A line a rank printed, without what differs between two runs of the same job: the C++ file and line torch
+    was built from, the peer's port, and the device options DETAIL prints for every tensor."""
+    line = _CPP_WHERE.sub("", line)
+    line = _PEER.sub(r"[\1]:<port>", line)
+    return _FINGERPRINT_TAIL.sub(")", line)
+
+
+def _failures(output):
+    """torchrun's failure summary as ``[(rank, exitcode), ...]``, the root cause first."""
+    blocks = re.split(r"^(Failures:|Root Cause \(first observed failure\):)\s*$", output, flags=re.M)
+    found = {}
+    for head, body in zip(blocks[1::2], blocks[2::2]):
+        for rank, code in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", body):
+            found.setdefault(head, []).append((int(rank), int(code)))
+    root = found.get("Root Cause (first observed failure):", [])
+    return root + [f for f in found.get("Failures:", []) if f not in root]
+
+
+@dataclass
+class Job:
+    """What one torchrun of the planted-bug job left behind. ``lines``: what the ranks printed (cleaned, grouped
+    by rank); ``failures``: torchrun's summary, ``[(rank, exitcode), ...]``, the root cause first; ``out``: the
+    folder with the Flight Recorder dumps ``fr_<rank>``; ``stacks``: ``{rank: [frames]}`` from py-spy, taken
+    while the job hung (``spy=True``), or ``None``; ``spy_note``: why there are none."""
+    bug: str
+    returncode: int
+    lines: list
+    failures: list
+    out: Path
+    seconds: float
+    output: str = ""
+    stacks: dict = None
+    spy_note: str = ""
+    debug: str = "OFF"
+    extra: dict = field(default_factory=dict)
+
+    def dumps(self):
+        """The Flight Recorder dumps the ranks wrote, ``{rank: path}``."""
+        return {int(p.name[3:]): p for p in sorted(self.out.glob("fr_[0-9]*"))}
+
+    def last_words(self, rank):
+        """The last line rank ``rank`` printed (its error, if it caught one)."""
+        mine = [line for line in self.lines if line.startswith(f"rank {rank}:")]
+        return mine[-1] if mine else None
+
+    def exit_summary(self):
+        """torchrun's verdict in one line: who failed first, with which exit code."""
+        if self.returncode == 0:
+            return "torchrun: every rank finished (exit code 0)"
+        if not self.failures:
+            return f"torchrun: exit code {self.returncode}, no failure summary"
+        if len({c for _, c in self.failures}) == 1:
+            ranks = ", ".join(str(r) for r, _ in sorted(self.failures))
+            return (f"torchrun: ranks {ranks} all failed with exit code {self.failures[0][1]} (the 'root cause' "
+                    "it names is whichever exited first)")
+        rank, code = self.failures[0]
+        how = f"signal {_SIGNALS.get(code, -code)}" if code < 0 else f"exit code {code}"
+        return f"torchrun: root cause rank {rank}, {how}; it then stopped the other ranks"
+
+    def detail_summary(self):
+        """What TORCH_DISTRIBUTED_DEBUG=DETAIL made each rank say: the collective it was calling itself (the first
+        fingerprint of its mismatch message), or its last line."""
+        shown = []
+        for r in range(len({int(m) for m in re.findall(r"^rank (\d+):", "\n".join(self.lines), re.M)})):
+            words = self.last_words(r) or ""
+            m = _OWN_FINGERPRINT.search(words)
+            if "Detected mismatch between collectives" in words and m:
+                seq, op, shape, dtype = m.groups()
+                tensor = f", tensor {shape} {dtype}" if shape is not None else ""
+                shown.append(f"rank {r}: DETAIL: mismatch; this rank runs {op} #{seq}{tensor}")
+            else:
+                shown.append(words)
+        return "\n".join(shown)
+
+    def report(self, ranks=None):
+        """What the plain job says: each rank's last line, any C++ abort, and torchrun's verdict."""
+        ranks = sorted({int(m) for m in re.findall(r"^rank (\d+):", "\n".join(self.lines), re.M)}
+                       if ranks is None else ranks)
+        shown = [self.last_words(r) for r in ranks]
+        shown += [line for line in self.lines if not line.startswith("rank ")]
+        return "\n".join([line for line in shown if line] + [self.exit_summary()])
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_lines(output):
+    """The ranks' own lines (sorted by rank, in order within a rank) and a C++ abort's two lines."""
+    ours = [clean(line) for line in output.splitlines() if re.match(r"rank \d+: ", line)]
+    ours.sort(key=lambda line: int(line.split(":")[0].split()[1]))
+    aborts = [clean(line.strip()) for line in output.splitlines()
+              if line.startswith("terminate called") or line.strip().startswith("what():")]
+    return ours + aborts
+
+
+def run_jobs(*specs):
+    """Several ``run_job(**spec)`` at once (each is a torchrun of its own, on its own port): a list of ``Job``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        return list(pool.map(lambda spec: run_job(**spec), specs))
+
+
+def odd_one_out(folder):
+    """``(rank, collective)``: the first collective number at which one rank's record differs from what the
+    majority of the ranks recorded, and the rank in the minority. ``None`` if the records agree."""
+    dumps = {int(p.name[3:]): {e["seq"]: e["op"] for e in dump_entries(p)}
+             for p in sorted(Path(folder).glob("fr_[0-9]*"))}
+    for seq in sorted({s for ops in dumps.values() for s in ops}):
+        ops = {r: ops.get(seq) for r, ops in dumps.items()}
+        counts = {op: sum(1 for o in ops.values() if o == op) for op in set(ops.values())}
+        if len(counts) > 1:
+            majority = max(counts, key=counts.get)
+            rank = min(r for r, op in ops.items() if op != majority)
+            return rank, ops[rank]
+    return None
+
+
+def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy=False, out=None, limit=90):
+    """Run ``torchrun --nproc-per-node nproc -m course_utils.planted_bugs --bug bug`` on loopback and return a
+    ``Job``. ``debug``: ``TORCH_DISTRIBUTED_DEBUG`` (OFF, INFO, DETAIL); ``flight_recorder``: set
+    ``TORCH_FR_BUFFER_SIZE=2000``; ``timeout``: the process group's, in seconds; ``spy``: when every rank has
+    gone quiet for a second, take each rank's Python stack with py-spy; ``limit``: seconds before the whole job
+    is killed (it never should be).
+
+    Introduced in 16_debugging_and_profiling.
+    """
+    from course_utils.planted_bugs import BUGS
+
+    if bug not in BUGS:
+        raise ValueError(f"bug must be one of {BUGS}, not {bug!r}")
+    if debug not in ("OFF", "INFO", "DETAIL"):
+        raise ValueError(f"debug must be 'OFF', 'INFO' or 'DETAIL' (TORCH_DISTRIBUTED_DEBUG), not {debug!r}")
+    out = Path(tempfile.mkdtemp(prefix=f"fr_{bug}_") if out is None else out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*"):
+        if old.is_file():
+            old.unlink()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_", "PYTEST_"))}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
+               TORCH_DISTRIBUTED_DEBUG=debug, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               GLOO_SOCKET_IFNAME="lo" if sys.platform.startswith("linux") else env.get("GLOO_SOCKET_IFNAME", "lo0"),
+               TORCH_FR_BUFFER_SIZE="2000" if flight_recorder else "0")
+    script = ["-m", "course_utils.planted_bugs", "--bug", bug, "--timeout", str(timeout), "--out", str(out)]
+    for attempt in range(4):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", "--node-rank=0",
+               "--monitor-interval=0.1", *script]
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        lines, stacks, note = [], None, ""
+        reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), x) for x in proc.stdout), daemon=True)
+        reader.start()   # a list's extend from one thread, read by another: each line appears whole
+        try:
+            if spy:
+                stacks, note = _spy_when_stuck(proc, lines, out, nproc, limit)
+            proc.wait(timeout=max(1.0, limit - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            reader.join(5)
+            raise RuntimeError(f"the {bug!r} job did not end within {limit} s (it should end in seconds: its "
+                               f"process group times out after {timeout} s). Its output:\n"
+                               + "".join(x for _, x in lines)[-3000:])
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        reader.join(10)
+        output = "".join(x for _, x in lines)
+        if "EADDRINUSE" in output or "address already in use" in output.lower():
+            continue                                              # another program took the port: try another
+        return Job(bug=bug, returncode=proc.returncode, lines=_rank_lines(output), failures=_failures(output),
+                   out=out, seconds=time.monotonic() - start, output=output, stacks=stacks, spy_note=note,
+                   debug=debug)
+    raise RuntimeError("four free loopback ports were taken before torchrun could use them: run the cell again")
+
+
+# -- py-spy -------------------------------------------------------------------------------------------------------
+
+def pyspy_available():
+    """``(True, path)`` if py-spy is installed and can read another process here, else ``(False, why)``."""
+    exe = shutil.which("py-spy") or (str(Path(sys.executable).parent / "py-spy")
+                                     if (Path(sys.executable).parent / "py-spy").exists() else None)
+    if exe is None:
+        return False, "py-spy is not installed: `pip install py-spy` (a binary wheel; no compiler needed)"
+    return True, exe
+
+
+def pyspy_dump(pid, *, exe=None):
+    """The Python frames of ``pid``'s main thread, most recent call last, as ``["func (file:line)", ...]``; file
+    names shortened (``torch/...``, the planted job's ``planted_bugs.py``). Raises ``RuntimeError`` with py-spy's
+    reason (often ptrace: run as the job's user, or as root, or set kernel.yama.ptrace_scope=0)."""
+    if exe is None:
+        ok, exe = pyspy_available()
+        if not ok:
+            raise RuntimeError(exe)
+    result = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        raise RuntimeError(f"py-spy could not read process {pid}: {(result.stderr or result.stdout).strip()[:300]}")
+    frames, main = [], False
+    for line in result.stdout.splitlines():
+        if line.startswith("Thread "):
+            main = "MainThread" in line or not frames and main is False and '"' not in line
+            continue
+        m = re.match(r"\s+(\S+) \((.+):(\d+)\)$", line)
+        if main and m and "<frozen " not in line:             # runpy's frames: their lines differ by Python
+            func, path, lineno = m.groups()
+            frames.append(f"{func} ({_short(path)}:{lineno})")
+        elif main and frames and not line.strip():
+            break
+    return frames[::-1]
+
+
+def _short(path):
+    path = str(path)
+    if path.startswith(_torch_dir()):
+        return path[len(_torch_dir()) + 1:]
+    if "/torch/" in path:
+        return "torch/" + path.split("/torch/", 1)[1]
+    return os.path.basename(path)
+
+
+def _spy_when_stuck(proc, lines, out, nproc, limit):
+    """Wait until every rank wrote its pid, the job printed its first step and then nothing for a second (as a
+    person notices that a job stopped making progress), then py-spy each rank."""
+    ok, exe = pyspy_available()
+    if not ok:
+        return None, exe
+    start = time.monotonic()
+    while time.monotonic() - start < limit and proc.poll() is None:
+        time.sleep(0.05)
+        if lines and len(list(out.glob("pid_*"))) == nproc and time.monotonic() - lines[-1][0] >= 1.0:
+            break
+    stacks, note = {}, ""
+    for r in range(nproc):
+        try:
+            stacks[r] = pyspy_dump(int((out / f"pid_{r}").read_text()), exe=exe)
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            note = str(exc)
+    return stacks, note
+
+
+# -- Flight Recorder ---------------------------------------------------------------------------------------------
+
+def read_dump(path):
+    """One rank's Flight Recorder dump (a pickle written by its own rank: open only dumps your job wrote)."""
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def fix_gloo_dumps(folder):
+    """torch 2.13's gloo dumps list the default group under the name ``''`` in ``pg_config`` while each entry
+    names it ``'0'``; ``fr_trace`` then stops with ``KeyError: ('0', 0)``. Rename it in place, as NCCL's dumps
+    name it. Returns the number of dumps changed."""
+    changed = 0
+    for path in sorted(Path(folder).glob("fr_[0-9]*")):
+        dump = read_dump(path)
+        config = dump.get("pg_config", {})
+        if "" in config:
+            group = config.pop("")
+            config["0"] = {"name": "0", "desc": "default_pg", "ranks": group["ranks"]}
+            with open(path, "wb") as f:
+                pickle.dump(dump, f)
+            changed += 1
+    return changed
+
+
+def analyze(folder, *args):
+    """``python -m torch.distributed.flight_recorder.fr_trace folder --allow-incomplete-ranks *args``: torch's
+    analyzer, its output with the folder and torch's install path shortened."""
+    folder = Path(folder)
+    fix_gloo_dumps(folder)
+    # fr_trace matches the ranks' records starting from the first dump os.walk lists; sorted, that is rank 0's
+    # on every file system, so its "culprit" is named against rank 0
+    run = ("import os, sys; walk = os.walk; os.walk = lambda *a, **k: ((r, d, sorted(f)) for r, d, f in walk(*a, **k))"
+           "; from torch.distributed.flight_recorder.fr_trace import main; main(sys.argv[1:])")
+    cmd = [sys.executable, "-c", run, str(folder), "-p", "fr_", "--allow-incomplete-ranks", *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    text = (result.stdout + result.stderr).replace(str(folder), "<dumps>")
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("tabulate is not installed") or "<frozen " in line:
+            continue   # a missing optional package; runpy's frames (their lines differ between Pythons)
+        if lines and line.rstrip() == lines[-1]:
+            continue   # the same sentence for every entry of a missing rank: once is enough
+        line = re.sub(r"(\S+/)?(torch/[\w/]+\.py)", r"\2", line)
+        line = re.sub(r"\S*/(planted_bugs\.py)", r"\1", line)
+        lines.append(line.rstrip())
+    return "\n".join(lines).strip()
+
+
+def dump_entries(path):
+    """The collectives of one dump as dicts: ``seq`` (the group's collective number), ``op`` (e.g.
+    ``all_reduce``), ``sizes``, ``dtypes``, ``state`` and ``line`` (the job's line that called it)."""
+    rows = []
+    for e in read_dump(path)["entries"]:
+        frames = [f for f in e.get("frames", []) if f.get("filename", "").endswith("planted_bugs.py")]
+        rows.append({"seq": e["collective_seq_id"], "op": e["profiling_name"].split(":")[-1],
+                     "sizes": e["input_sizes"], "dtypes": e["input_dtypes"], "state": e["state"],
+                     "line": frames[0]["line"] if frames else None})
+    return rows
+
+
+def dump_table(folder, last=None):
+    """Every rank's recorded collectives, one column per rank, one row per collective number: what a learner
+    reads to find the rank that left the others."""
+    dumps = {int(p.name[3:]): dump_entries(p) for p in sorted(Path(folder).glob("fr_[0-9]*"))}
+    seqs = sorted({e["seq"] for rows in dumps.values() for e in rows})
+    if last:
+        seqs = seqs[-last:]
+    cell = {(r, e["seq"]): f"{e['op']} {e['sizes']}" for r, rows in dumps.items() for e in rows}
+    headers = ["#"] + [f"rank {r}" for r in dumps]
+    rows = [[str(s)] + [cell.get((r, s), "-") for r in dumps] for s in seqs]
+    widths = [max(len(x) for x in col) for col in zip(headers, *rows)]
+    fmt = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip()
+    return "\n".join([fmt(headers)] + [fmt(r) for r in rows])
+
+
+# -- profiler traces ---------------------------------------------------------------------------------------------
+
+def trace_events(path):
+    """The complete events (``"ph": "X"``) of a ``torch.profiler`` Chrome trace, each with ``name``, ``tid``,
+    ``ts`` and ``dur`` in microseconds."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and isinstance(e.get("tid"), int)]
+
+
+def _named(events, name):
+    return [e for e in events if e["name"] == name]
+
+
+def step_intervals(events, comm="gloo:all_reduce"):
+    """From a trace of one DDP step labelled with ``record_function`` ("step", "forward", "backward"): the
+    step's ``(start, end)``, backward's compute ``(start, end)`` (its start to the end of its last autograd
+    node: what 07's hand timeline calls compute, without DDP's wait at the end), and the communication events
+    ``[(start, end), ...]`` inside the step, in seconds from the step's start."""
+    step = _named(events, "step")
+    backward = _named(events, "backward")
+    if len(step) != 1 or len(backward) != 1:
+        raise ValueError(f"expected one 'step' and one 'backward' range in the trace, found {len(step)} and "
+                         f"{len(backward)}: label them with torch.profiler.record_function")
+    s0, s1 = step[0]["ts"], step[0]["ts"] + step[0]["dur"]
+    b0, b1 = backward[0]["ts"], backward[0]["ts"] + backward[0]["dur"]
+    nodes = [e for e in events if e["tid"] == backward[0]["tid"] and e["name"].startswith("autograd::engine::")
+             and b0 <= e["ts"] <= b1]
+    c1 = max((e["ts"] + e["dur"] for e in nodes), default=b1)
+    comms = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == comm and s0 <= e["ts"] <= s1]
+    to_s = lambda t: (t - s0) / 1e6
+    return {"step": (0.0, to_s(s1)), "compute": (to_s(b0), to_s(c1)),
+            "comm": [(to_s(a), to_s(b)) for a, b in sorted(comms)]}
+
+
+def plot_trace(events, title="", ax=None, names=("forward", "backward", "optimizer step"), comm="gloo:all_reduce"):
+    """Draw one step's trace per thread: the labelled ranges on the thread that ran them, each communication
+    event on the thread that ran it (gloo's worker threads), in milliseconds from the step's start."""
+    import matplotlib.pyplot as plt
+
+    step = _named(events, "step")[0]
+    s0 = step["ts"]
+    rows = {}
+    for e in events:
+        if e["name"] in names or e["name"] == comm:
+            rows.setdefault(e["tid"], []).append(e)
+    tids = sorted(rows, key=lambda t: (not any(e["name"] in names for e in rows[t]), t))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.6 + 0.5 * len(tids)))
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer step": "tab:green", comm: "tab:red"}
+    for y, tid in enumerate(tids):
+        for e in rows[tid]:
+            ax.barh(y, e["dur"] / 1e3, left=(e["ts"] - s0) / 1e3, color=colors.get(e["name"], "grey"),
+                    edgecolor="black", linewidth=0.3)
+    labels = ["main thread" if any(e["name"] in names for e in rows[t]) else "gloo worker" for t in tids]
+    ax.set_yticks(range(len(tids)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the step's start")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, list(colors), loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.set_title(title)
+    return ax

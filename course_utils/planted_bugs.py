@@ -1,0 +1,152 @@
+"""A tiny data-parallel training job with one bug planted on purpose, for 16_debugging_and_profiling.
+
+Each rank trains a linear model on its own slice of a fixed data set, averages the gradients with one
+``all_reduce`` per step (as in 05_manual_gradient_averaging) and all-reduces the loss for the log. ``--bug``
+plants one of the classic faults at step 2 (``skip`` at the last step, ``shape`` from the start):
+
+- ``none``:  a healthy run;
+- ``skip``:  rank 1 skips the loss all-reduce of the last step (a rank-dependent ``if`` around a collective);
+- ``order``: rank 0 broadcasts an early-stopping flag before the gradient all-reduce, the others after it;
+- ``shape``: rank 1's model has no bias, so its gradient holds one number less;
+- ``dead``:  rank 1 is killed (SIGKILL, as the kernel's OOM killer does);
+- ``mystery``: the exercise's job (4 ranks): which rank, which collective? Read its Flight Recorder dumps.
+
+Every rank prints one line per step. When a collective fails, the rank prints the error in one line and, if
+the Flight Recorder is on (``TORCH_FR_BUFFER_SIZE`` > 0), writes its buffer to ``<out>/fr_<rank>`` (gloo
+never dumps by itself; NCCL can, see TORCH_NCCL_DUMP_ON_TIMEOUT in the lesson). ``--timeout`` is the process
+group's timeout in seconds: how long a rank waits in a collective before it gives up.
+
+    torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug skip
+    TORCH_FR_BUFFER_SIZE=2000 torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug skip --out /tmp/fr
+    python -m torch.distributed.flight_recorder.fr_trace /tmp/fr      # after course_utils.debugging.fix_gloo_dumps
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug shape
+
+Introduced in 16_debugging_and_profiling; the notebook runs it through ``course_utils.debugging.run_job``.
+"""
+import argparse
+import datetime
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+BUGS = ("none", "skip", "order", "shape", "dead", "mystery")
+STEPS = 4
+BUG_STEP = 2
+
+
+def _mystery(step, rank, world_size, grads, loss, stop):
+    """The exercise's job: the answer is not written here in words; the lesson's checker knows it."""
+    dist.all_reduce(grads)
+    if step == BUG_STEP and rank == (world_size + 2) // 2:    # a rank that thinks training is over
+        dist.broadcast(stop, src=0)
+    dist.all_reduce(loss)
+
+
+def say(text):
+    """One line in one write: the ranks share torchrun's pipe, and a line written in two pieces can interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def train(bug, out, pause):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    mine = slice(rank * 64 // world_size, (rank + 1) * 64 // world_size)
+    model = torch.nn.Linear(8, 1, bias=not (bug == "shape" and rank == 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stop = torch.zeros(1)
+    for step in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
+        optimizer.zero_grad()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        log = loss.detach().clone()
+        if pause and step == BUG_STEP:
+            time.sleep(pause)                                     # a slow step: where py-spy finds the job
+        if bug == "dead" and step == BUG_STEP and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if bug == "mystery":
+            _mystery(step, rank, world_size, grads, log, stop)
+        else:
+            if bug == "order" and step == BUG_STEP and rank == 0:
+                dist.broadcast(stop, src=0)                       # rank 0 decides first ...
+            dist.all_reduce(grads)                                # gradient averaging (lesson 05)
+            if bug == "order" and step == BUG_STEP and rank != 0:
+                dist.broadcast(stop, src=0)                       # ... the others listen after the all-reduce
+            if not (bug == "skip" and step == STEPS - 1 and rank == 1):
+                dist.all_reduce(log)                              # the loss for the log
+        offset = 0
+        for p in model.parameters():
+            p.grad.copy_(grads[offset:offset + p.numel()].view_as(p) / world_size)
+            offset += p.numel()
+        optimizer.step()
+        say(f"rank {rank}: step {step} done")
+    dist.barrier()
+    say(f"rank {rank}: finished")
+
+
+def dump_flight_recorder(out, rank):
+    """Write this rank's Flight Recorder buffer (a pickle, as torch's analyzer reads it) to ``out/fr_<rank>``."""
+    if out is None or int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")) <= 0:
+        return
+    data = torch._C._distributed_c10d._dump_fr_trace()
+    tmp = os.path.join(out, f".fr_{rank}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(out, f"fr_{rank}"))             # whole or absent, never half-written
+
+
+def linger(out, rank, seconds):
+    """Stay until every rank has failed too (or ``seconds`` passed): a rank that exits first closes its
+    connections, and a slower peer would report "Connection closed by peer" instead of its own timeout. A demo's
+    courtesy, so that each rank reports what it saw itself; a real job just exits."""
+    if out is None:
+        return
+    open(os.path.join(out, f"failed_{rank}"), "w").close()
+    world_size, deadline = dist.get_world_size(), time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if sum(os.path.exists(os.path.join(out, f"failed_{r}")) for r in range(world_size)) == world_size:
+            return
+        time.sleep(0.05)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bug", choices=BUGS, default="none")
+    parser.add_argument("--timeout", type=float, default=3.0, help="process-group timeout, seconds")
+    parser.add_argument("--out", default=None, help="folder for the Flight Recorder dumps")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds rank 0 sleeps in the buggy step")
+    args = parser.parse_args(argv)
+    if args.bug == "shape" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        parser.error("--bug shape needs at least 2 ranks")
+    # A generous timeout while the ranks start (a busy machine may start one of them seconds late), then the
+    # short one for the collectives: a planted hang ends in --timeout seconds
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(60.0, args.timeout)))
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=args.timeout))
+    rank = dist.get_rank()
+    if args.out is not None:                                      # who is who, for py-spy
+        with open(os.path.join(args.out, f"pid_{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+    # torchrun stops the other ranks with SIGTERM when one fails: dump on the way out too
+    signal.signal(signal.SIGTERM, lambda *_: (dump_flight_recorder(args.out, rank), os._exit(143)))
+    pause = args.pause if rank == 0 else 0.0
+    try:
+        train(args.bug, args.out, pause)
+    except Exception as exc:     # a failed collective: say it in one line, dump, and fail
+        message = " ".join(str(exc).split())
+        say(f"rank {rank}: {type(exc).__name__}: {message}")
+        dump_flight_recorder(args.out, rank)
+        linger(args.out, rank, 2 * args.timeout)
+        os._exit(1)              # not destroy_process_group: the peers are gone or stuck
+    dump_flight_recorder(args.out, rank)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
