@@ -95,7 +95,10 @@ def predict(cal, *, world_size, params, micro_batch, accum_steps=1, compression=
 
     ``compression``: bytes on the wire are divided by it (2 for bf16/fp16). It costs
     ``codec_overhead + codec_per_param * params`` when above 1. ``overlap``: the all-reduce runs during
-    the last micro-step's backward (2/3 of its compute), as DDP's buckets do (lesson 07).
+    the last micro-step's backward (2/3 of its compute), as DDP's buckets do (lesson 07). It is the ideal
+    case: the WHOLE all-reduce may hide behind that backward, as if every byte could leave as soon as
+    backward starts and the transfer cost backward nothing; real buckets leave only once full (the last
+    one after the last gradient) and, on shared cores, slow the backward they overlap.
     """
     if world_size < 1 or params <= 0 or micro_batch < 1 or accum_steps < 1 or compression < 1:
         raise ValueError("world_size, micro_batch and accum_steps must be >= 1, params > 0, compression >= 1")
@@ -291,27 +294,30 @@ def calibrate(cluster, *, d_in, d_hidden, sizes=None, micro_batches=(1, 4, 16, 6
     return CalibrationRun(cal, params, list(sizes), ar_times, list(micro_batches), comp_times, source)
 
 
-def step_phases(per_rank):
-    """The best repeat's phases from every rank's timestamps of repeated steps.
+def step_phases(per_rank, pick="median"):
+    """The phases of repeated steps from every rank's timestamps.
 
     ``per_rank[r][j]`` is ``(t_compute, t_flat, t_reduced, t_step)`` of repeat ``j`` on rank ``r``:
     seconds since the repeat's common start at the end of forward+backward, of flattening the
     gradient, of the all-reduce and of the whole step. Per repeat: ``compute`` ends when the slowest
     rank's compute ends; ``comm`` is the all-reduce alone, from the last rank entering it to the last
     rank leaving it; ``update`` is the rest (flatten, copy back, ``optimizer.step``, ``zero_grad``),
-    which the model calls ``update``; ``step`` ends with the last rank. Returns the repeat with the
-    shortest step (other processes only ever add time). Introduced in 10_tradeoffs."""
-    best = None
+    which the model calls ``update``; ``step`` ends with the last rank. ``pick="median"`` (lesson 10's
+    sweep) returns each phase's median over the repeats (a single slow or lucky repeat moves none of them);
+    ``pick="best"`` the repeat with the shortest step. Introduced in 10_tradeoffs."""
+    if pick not in ("median", "best"):
+        raise ValueError(f"pick={pick!r}: use 'median' (each phase's median over the repeats) or 'best'")
+    repeats = []
     for j in range(len(per_rank[0])):
         compute = max(r[j][0] for r in per_rank)
         entered = max(r[j][1] for r in per_rank)
         left = max(r[j][2] for r in per_rank)
         step = max(r[j][3] for r in per_rank)
-        row = {"compute": compute, "comm": left - entered, "update": step - compute - (left - entered),
-               "step": step}
-        if best is None or row["step"] < best["step"]:
-            best = row
-    return best
+        repeats.append({"compute": compute, "comm": left - entered, "update": step - compute - (left - entered),
+                        "step": step})
+    if pick == "best":
+        return min(repeats, key=lambda row: row["step"])
+    return {k: _median([row[k] for row in repeats]) for k in ("compute", "comm", "update", "step")}
 
 
 def _median(values):
@@ -371,9 +377,9 @@ def agreement(rows, predictions, band=2.0):
                    "on warm memory; in a step they follow the all-reduce."),
     }[worst]
     if facts["median"] > 1:
-        text += (" Also, a step posts a fast time only if all of its phases run undisturbed in the same repeat, "
-                 "while the calibration kept the best run of each phase separately (the best of sums is never "
-                 "below the sum of bests), which by itself can put points above the diagonal on a busy machine.")
+        text += (" Also, the measured phases are medians over repeated steps, while the calibration kept the "
+                 "best run of each phase separately (a median is never below the best), which by itself can put "
+                 "points above the diagonal on a busy machine.")
     return facts, text
 
 
@@ -451,7 +457,7 @@ def plot_ranks(compute, step, title="one step per rank, from a common start"):
     ranks = range(len(compute))
     ax.barh(ranks, [c * 1e3 for c in compute], color="tab:blue", label="compute")
     ax.barh(ranks, [(s - c) * 1e3 for c, s in zip(compute, step)], left=[c * 1e3 for c in compute],
-            color="tab:orange", label="all-reduce (incl. waiting)")
+            color="tab:orange", label="flatten, all-reduce (incl. waiting), copy back, step")
     ax.axvline(max(compute) * 1e3, color="k", ls="--", lw=1, label="slowest compute")
     ax.set_yticks(list(ranks), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
@@ -459,6 +465,9 @@ def plot_ranks(compute, step, title="one step per rank, from a common start"):
     _style(ax, title, "ms since the common start", "")
     fig.tight_layout()
     return fig
+
+
+COMM_BOUND = 0.5  # lesson 10: a configuration is communication-bound when the all-reduce is over half of the two
 
 
 def plot_sweep(rows, predictions=None):
@@ -482,11 +491,11 @@ def plot_sweep(rows, predictions=None):
     a1.legend(fontsize=8)
     _style(a1, "one step: compute vs communication", "", "ms")
     share = [r["comm"] / (r["comm"] + r["compute"]) for r in rows]
-    a2.bar(xs, share, color=["tab:orange" if s > 0.5 else "tab:blue" for s in share])  # of compute + comm
+    a2.bar(xs, share, color=["tab:orange" if s > COMM_BOUND else "tab:blue" for s in share])  # of compute + comm
     if predictions is not None:
         a2.plot(xs, [p.comm_share for p in predictions], "k_", markersize=14, mew=2, label="model")
         a2.legend(fontsize=8)
-    a2.axhline(0.5, color="k", lw=1, ls="--")
+    a2.axhline(COMM_BOUND, color="k", lw=1, ls="--")
     a2.set_xticks(list(xs), labels, fontsize=7)
     a2.set_ylim(0, 1)
     _style(a2, "all-reduce's share of compute + all-reduce (orange: dominates)", "", "comm / (compute + comm)")

@@ -126,6 +126,34 @@ class BucketLog:
         return [(r["index"], r["start"], r["end"]) for r in recs]
 
 
+def describe_cap_sweep(caps, buckets, seconds, close=0.05):
+    """One sentence on lesson 07's ``bucket_cap_mb`` sweep, chosen from its numbers: which cap was fastest, and
+    whether overlapping (several buckets) paid against one bucket that overlaps nothing. ``seconds`` are median
+    forward+backward times; runs within ``close`` (5%) of each other count as a tie. Introduced in
+    07_buckets_and_overlap."""
+    fastest = min(range(len(caps)), key=lambda i: seconds[i])
+    slowest = max(range(len(caps)), key=lambda i: seconds[i])
+    one = buckets.index(1) if 1 in buckets else None
+    spread = seconds[slowest] / seconds[fastest] - 1
+    name = f"bucket_cap_mb={caps[fastest]:g} ({buckets[fastest]} bucket{'s' if buckets[fastest] > 1 else ''})"
+    if spread < close:
+        return (f"every cap took within {close:.0%} of the others (fastest {name}, {spread:.0%} ahead of the "
+                "slowest): on this machine the bucket size made no measurable difference.")
+    text = f"the fastest was {name}, {spread:.0%} faster than the slowest, bucket_cap_mb={caps[slowest]:g}"
+    if one is None:
+        return text + "."
+    if fastest == one:
+        return (text + ": one bucket, which overlaps nothing with backward, won here: on shared CPU cores the "
+                "all-reduces running during backward slowed it more than overlap saved, and every extra message "
+                "paid its latency.")
+    gain = seconds[one] / seconds[fastest] - 1
+    if gain < close:
+        return (text + f"; within {close:.0%} of one bucket (bucket_cap_mb={caps[one]:g}, no overlap), so overlap "
+                "barely paid here.")
+    return (text + f"; {gain:.0%} faster than one bucket (bucket_cap_mb={caps[one]:g}, no overlap): overlapping "
+            "the all-reduces with backward paid more than the extra messages cost.")
+
+
 def short_names(names, width=60):
     """'0.weight, 0.bias, 2.weight' shortened to ``width`` characters."""
     text = ", ".join(names)
@@ -258,6 +286,83 @@ def accumulate_with_flag(model, batches):
     for k, (xb, yb) in enumerate(batches):
         model.require_backward_grad_sync = (k == K - 1)     # before the forward: DDP reads it there
         (F.mse_loss(model(xb), yb) / K).backward()
+
+
+def _count_sync(accum_steps, use_no_sync, seed=0):
+    """On every rank: all-reduces and bytes handed to them in one optimizer step of accum_steps micro-steps on a
+    DDP-wrapped TinyMLP, with ``no_sync()`` around the first K-1 forwards and backwards or without it."""
+    from contextlib import nullcontext
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.data import make_regression
+    from course_utils.models import make_model
+
+    counter = {"all_reduces": 0, "bytes": 0}
+
+    def hook(state, bucket):
+        state["all_reduces"] += 1
+        state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        buf = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    model = DDP(make_model(seed=0))
+    model.register_comm_hook(counter, hook)
+    x, y = make_regression(n=16 * dist.get_world_size() * accum_steps, d_in=16, seed=seed)
+    xs, ys = x.chunk(dist.get_world_size())[dist.get_rank()], y.chunk(dist.get_world_size())[dist.get_rank()]
+    for k, (xb, yb) in enumerate(zip(xs.chunk(accum_steps), ys.chunk(accum_steps))):
+        last = k == accum_steps - 1
+        with nullcontext() if (last or not use_no_sync) else model.no_sync():
+            (F.mse_loss(model(xb), yb) / accum_steps).backward()
+    return counter, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def solution_sync_prediction(accum_steps=8):
+    """06's exercise 1, the course's answer: K all-reduces of the whole gradient without no_sync, one with it."""
+    from course_utils.models import make_model
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in make_model(seed=0).parameters())
+    return ({"without no_sync": accum_steps, "with no_sync": 1},
+            {"without no_sync": accum_steps * grad_bytes, "with no_sync": grad_bytes})
+
+
+def check_sync_prediction(predicted, predicted_bytes, accum_steps=8):
+    """Self-check of 06's exercise 1; call it on every rank (inside a ``%%ddp`` cell). ``predicted`` and
+    ``predicted_bytes`` map "without no_sync" and "with no_sync" to the all-reduces per optimizer step of
+    ``accum_steps`` micro-steps, and to the bytes handed to them; both runs are counted here, on this lesson's
+    ranks. Raises ``AssertionError`` saying what is wrong (never the number); rank 0 prints one line when both
+    are right. Introduced in 06_ddp_accumulation_no_sync."""
+    __tracebackhide__ = True
+    import torch.distributed as dist
+
+    keys = ("without no_sync", "with no_sync")
+    for name, value in (("predicted", predicted), ("predicted_bytes", predicted_bytes)):
+        if not isinstance(value, dict) or set(value) != set(keys):
+            raise AssertionError(f"{name} must be a dict with the keys {list(keys)}, got {value!r}.")
+        missing = [k for k in keys if value[k] is None]
+        if missing:
+            raise AssertionError(f"{name}: fill in your prediction for {missing} (numbers, for accum_steps = "
+                                 f"{accum_steps}), then run the cell.")
+    measured = {k: _count_sync(accum_steps, use_no_sync=(k == "with no_sync")) for k in keys}
+    grad_bytes = measured["with no_sync"][1]
+    for k in keys:
+        got = measured[k][0]["all_reduces"]
+        if predicted[k] != got:
+            why = ("DDP arms the reduction in every forward that runs outside no_sync(), and this model's "
+                   "gradients fit in one bucket: how many backwards reduced?" if k == "without no_sync" else
+                   "inside no_sync() DDP only accumulates; which micro-step's forward and backward ran outside it?")
+            raise AssertionError(f"{k}: you predicted {predicted[k]} all-reduces per step, the ranks counted "
+                                 f"otherwise. {why}")
+    for k in keys:
+        got = measured[k][0]["bytes"]
+        if predicted_bytes[k] != got:
+            raise AssertionError(f"{k}: you predicted {predicted_bytes[k]!r} bytes, the ranks counted otherwise. "
+                                 f"Each all-reduce hands the whole gradient over: one float32 per parameter "
+                                 f"({grad_bytes // 4:,} parameters here, 4 bytes each), times the all-reduces.")
+    if dist.get_rank() == 0:
+        print(f"self-check passed: both predictions match what the ranks counted for accum_steps = {accum_steps}")
 
 
 def check_accumulate(accumulate, accum_steps=4, seed=0):
@@ -393,7 +498,8 @@ def check_bucket0_prediction(predicted, layout, registration):
         raise AssertionError(f"bucket 0 holds more than that: it closes once it reaches bucket_cap_mb "
                              f"({len(actual)} tensors here). Add the next gradients in ready order.")
     if set(actual) < set(predicted):
-        raise AssertionError("bucket 0 holds fewer parameters: a bucket closes as soon as it reaches bucket_cap_mb "
-                             "(one 256 x 256 weight is just over 0.25 MiB).")
+        raise AssertionError("bucket 0 holds fewer parameters: a bucket closes as soon as its size reaches "
+                             "bucket_cap_mb (at or above it): one 256 x 256 fp32 weight is exactly 262,144 bytes, "
+                             "0.25 MiB, so it fills a 0.25 MiB bucket on its own, with what came before it.")
     raise AssertionError("not bucket 0. Bucket 0 is filled with the gradients backward produces first, until "
                          "it reaches bucket_cap_mb.")

@@ -159,14 +159,23 @@ def test_time_op_buffers_match_the_op():
 
 
 def test_describe_model_fit_follows_the_numbers():
-    """03's verdict on its two cost models, chosen from the counts of agreeing sizes and the measured/model ratios."""
-    shared, far = bench.describe_model_fit({"dedicated": 1, "shared": 2}, 2, [3.3, 12.0], cores=2)
-    assert "as the shared-link model does" in shared and "above it everywhere" in far, (shared, far)
-    assert "3.3x to 12.0x" in far and "2 core(s)" in far, far
-    both, close = bench.describe_model_fit({"dedicated": 2, "shared": 2}, 2, [0.9, 1.2], cores=8)
-    assert "both models" in both and "about right" in close, (both, close)
-    neither, below = bench.describe_model_fit({"dedicated": 0, "shared": 1}, 2, [0.2, 0.5], cores=8)
-    assert "neither model" in neither and "below it everywhere" in below, (neither, below)
+    """03's verdict on its two cost models, chosen from the counts of agreeing sizes and each algorithm's ratios."""
+    shared, far = bench.describe_model_fit({"dedicated": 1, "shared": 2}, 2,
+                                           {"naive": [3.3, 4.0], "ring": [5.0, 12.0]}, cores=2)
+    assert "as the shared-link model does" in shared and "above the model for naive 3.3x to 4.0x, ring" in far, far
+    assert "2 core(s)" in far and "Below it" not in far and "about right" not in far, far
+    both, close = bench.describe_model_fit({"dedicated": 2, "shared": 2}, 2,
+                                           {"naive": [0.9, 1.2], "chunked": [1.4, 1.45]}, cores=8)
+    assert "both models" in both and "about right (within 0.67x to 1.5x) for naive 0.9x to 1.2x, chunked" in close
+    assert "Above it" not in close and "Below it" not in close, close
+    # a spread that straddles 1 is not "about right": each algorithm is judged against the band on its own
+    wide = bench.describe_model_fit({"dedicated": 0, "shared": 2}, 2,
+                                    {"naive": [0.4, 0.5], "ring": [0.9, 1.2], "chunked": [2.0, 6.2]}, cores=2)[1]
+    assert "below the model for naive 0.4x to 0.5x" in wide and "about right" in wide and "ring 0.9x" in wide, wide
+    assert "above the model for chunked 2.0x to 6.2x" in wide and "Below it:" in wide and "Above it:" in wide, wide
+    straddle = bench.describe_model_fit({"dedicated": 0, "shared": 1}, 2, {"ring": [0.5, 3.0]}, cores=8)
+    assert "neither model" in straddle[0] and "both above and below the model for ring" in straddle[1], straddle
+    assert "about right" not in straddle[1], straddle
 
 
 def test_code_of_hides_the_docstring_that_answers_the_prediction():

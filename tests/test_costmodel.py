@@ -182,10 +182,19 @@ def test_step_phases_splits_the_best_repeat():
     # two ranks, two repeats of (t_compute, t_flat, t_reduced, t_step)
     rank0 = [(0.010, 0.011, 0.020, 0.022), (0.010, 0.011, 0.030, 0.033)]
     rank1 = [(0.012, 0.013, 0.021, 0.023), (0.009, 0.010, 0.031, 0.032)]
-    best = costmodel.step_phases([rank0, rank1])
+    best = costmodel.step_phases([rank0, rank1], pick="best")
     assert best == pytest.approx({"compute": 0.012, "comm": 0.021 - 0.013, "update": 0.023 - 0.012 - 0.008,
                                   "step": 0.023})
     assert best["compute"] + best["comm"] + best["update"] == pytest.approx(best["step"])
+
+
+def test_step_phases_takes_each_phases_median_by_default():
+    # one rank, three repeats: the 2nd all-reduce is slow and the 3rd compute is slow; medians ignore both
+    rank0 = [(0.010, 0.011, 0.013, 0.014), (0.010, 0.011, 0.031, 0.032), (0.030, 0.031, 0.033, 0.034)]
+    med = costmodel.step_phases([rank0])
+    assert med == pytest.approx({"compute": 0.010, "comm": 0.002, "update": 0.002, "step": 0.032}), med
+    with pytest.raises(ValueError, match="median"):
+        costmodel.step_phases([rank0], pick="mean")
 
 
 def _step(total, compute, comm, update):
@@ -202,11 +211,11 @@ def test_agreement_sentences_follow_the_numbers():
     facts, text = costmodel.agreement(slow, predictions)
     assert facts["within"] == 0 and "None of the 4" in text and "**optimistic**" in text
     assert facts["worst"] == "compute" and "largest gap is in the **compute**" in text
-    assert "best of sums" in text
+    assert "medians over repeated steps" in text
     assert "\n" not in text, "one line: the notebook's 'Measured here:' sanitiser covers a line"
     fast = [{"compute": 0.001, "comm": 0.004, "update": 0.001}] * 4
     facts, text = costmodel.agreement(fast, predictions)
-    assert "**pessimistic**" in text and "best of sums" not in text
+    assert "**pessimistic**" in text and "medians over repeated steps" not in text
 
 
 def test_break_even_codec_cost():

@@ -132,6 +132,22 @@ def raises(model, micro_batches):
     raise ValueError("learner's bug")
 
 
+def zero_grad_inside_the_loop(model, micro_batches):  # each micro-batch wipes the one before
+    for x, y in micro_batches:
+        model.zero_grad()
+        (F.mse_loss(model(x), y) / len(micro_batches)).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def zero_grad_inside_not_divided(model, micro_batches):  # the same, with the loss not divided by K
+    for x, y in micro_batches:
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
 # -- tests ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fn", [right_sum_then_divide, right_avg, right_one_flat_buffer])
 def test_right_versions_pass(cluster, fn):
@@ -169,6 +185,15 @@ def test_no_all_reduce_at_all(cluster):
 def test_only_some_parameters_averaged(cluster):
     with pytest.raises(AssertionError, match=r"disagree on net\.0\.weight, net\.2\.weight only"):
         check_grad_averaging(biases_only, cluster=cluster)
+
+
+@pytest.mark.parametrize("fn", [zero_grad_inside_the_loop, zero_grad_inside_not_divided])
+def test_zero_grad_inside_the_loop_is_named(cluster, fn):
+    with pytest.raises(AssertionError) as info:
+        check_grad_averaging(fn, cluster=cluster)
+    msg = str(info.value)
+    assert "only its LAST micro-batch's" in msg and "zero_grad() inside the micro-batch loop" in msg, msg
+    assert "once per step, before the first micro-batch" in msg, msg
 
 
 def test_missing_gradients(cluster):

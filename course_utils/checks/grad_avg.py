@@ -2,12 +2,12 @@
 
 Introduced in 05_manual_gradient_averaging::
 
-    def accumulate_and_average(model, micro_batches):
-        ...  # forward/backward on each (x, y), then average the gradients across ranks
+    def scale_then_sum(model, micro_batches):
+        ...  # forward/backward on each (x, y), scale the gradients, then all_reduce(SUM)
 
-    check_grad_averaging(accumulate_and_average)                  # exercise 1
-    check_grad_averaging(one_all_reduce, collectives=1)            # exercise 2: one collective per step
-    check_grad_averaging(token_weighted, unequal=True)             # exercise 4: micro-batches of any size
+    check_grad_averaging(scale_then_sum, prescaled=True)           # exercise 1: divide before reducing
+    check_grad_averaging(bucketed, bucket_numel=16)                # exercise 2: all-reduce in buckets
+    check_grad_averaging(tokens_in_one, unequal=True, collectives=1)   # exercise 4: any sizes, one collective
     check_adam_hides_the_bug(bad, good)                            # exercise 3
 
 The learner's function runs on every rank of a real process group. Each rank gets the same
@@ -136,8 +136,22 @@ def _wrong_weightings(case):
     }
 
 
-def _counting_collectives(counts):
-    """Patch torch.distributed's collectives so that each call adds 1 to ``counts[name]``; returns an undo."""
+def _last_micro_batch_only(case):
+    """The gradients a rank ends with when zero_grad() runs inside the micro-batch loop: the last micro-batch's
+    alone, averaged over the ranks (with the loss divided by K, and without)."""
+    ws, sizes = len(case["sizes"]), case["sizes"]
+    if all(len(row) == 1 for row in sizes):
+        return {}
+    last = [(r, *_micro_batches(case, r)[-1]) for r in range(ws)]
+    return {
+        "last micro-batch": _grads_of([(x, y, 1.0 / (len(x) * len(sizes[r]) * ws)) for r, x, y in last], case),
+        "last micro-batch, not / K": _grads_of([(x, y, 1.0 / (len(x) * ws)) for r, x, y in last], case),
+    }
+
+
+def _counting_collectives(counts, calls=None):
+    """Patch torch.distributed's collectives so that each call adds 1 to ``counts[name]``; returns an undo.
+    ``calls``: a list that gets, for each all_reduce, its op, its numel and its result's squared norm."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -150,7 +164,14 @@ def _counting_collectives(counts):
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 counts[_name] = counts.get(_name, 0) + 1
-                return _original(*args, **kwargs)
+                result = _original(*args, **kwargs)
+                if _name == "all_reduce" and calls is not None:
+                    tensor = args[0] if args else kwargs.get("tensor")
+                    op = args[1] if len(args) > 1 else kwargs.get("op", dist.ReduceOp.SUM)
+                    done = not (kwargs.get("async_op") or (len(args) > 3 and args[3]))
+                    calls.append({"op": str(op).split(".")[-1].upper(), "numel": tensor.numel(),
+                                  "sq_norm": float(tensor.double().pow(2).sum()) if done else None})
+                return result
 
             saved.append((module, name, original))
             setattr(module, name, counted)
@@ -170,14 +191,15 @@ def _run_on_rank(fn, cases):
     for case in cases:
         micro_batches = _micro_batches(case, rank)
         model = _model(case)
-        counts = {}
-        undo = _counting_collectives(counts)
+        counts, calls = {}, []
+        undo = _counting_collectives(counts, calls)
         try:
             fn(model, micro_batches)
         finally:
             undo()
         out.append({"grads": {name: None if p.grad is None else p.grad.detach().clone()
-                              for name, p in model.named_parameters()}, "collectives": counts})
+                              for name, p in model.named_parameters()}, "collectives": counts,
+                    "all_reduces": calls, "numels": [p.numel() for p in model.parameters()]})
     return out
 
 
@@ -329,6 +351,13 @@ def _compare(rank_grads, ref, case, wrong=None):
         for scale, extra in ((1, ""), (world_size, " Also, the SUM over ranks is not divided by world_size.")):
             if not _close(flats[0], scale * g_flat, ref_norm):
                 continue
+            if name.startswith("last micro-batch"):
+                ratio = flats[0].norm().item() / ref_norm
+                return (f"Every rank's gradient is only its LAST micro-batch's {where} (norm ratio {ratio:.3g} of the "
+                        "right one; about 1/accum_steps when the loss is divided by K): zero_grad() inside the "
+                        "micro-batch loop (optimizer.zero_grad() or model.zero_grad()) wipes what the earlier "
+                        "micro-batches accumulated in .grad. Zero the gradients once per step, before the first "
+                        "micro-batch." + extra)
             if name == "mean of means":
                 weights = sorted({n_global / (s * len(row) * world_size) for row in sizes for s in row})
                 return (f"Every rank's gradient is a mean of micro-batch means {where}: each micro-batch's MEAN loss "
@@ -374,7 +403,75 @@ def _cluster_for(world_size):
     return c
 
 
-def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequal=False, collectives=None):
+def _buckets(numels, cap):
+    """The bucket layout (elements per all-reduce) of exercise 2: tensors in reverse parameter order, a bucket
+    takes the next tensor while its total stays within ``cap``; a tensor larger than ``cap`` goes alone."""
+    out, current = [], 0
+    for n in reversed(numels):
+        if current and current + n > cap:
+            out.append(current)
+            current = 0
+        current += n
+    out.append(current)
+    return out
+
+
+def _bucket_problem(sent, numels, cap, where):
+    """Why the all-reduces of one call are not exercise 2's buckets, or None."""
+    expected = _buckets(numels, cap)
+    if sent == expected:
+        return None
+    shown = ", ".join(map(str, sent)) or "none"
+    if sum(sent) != sum(numels):
+        return (f"Your gradients are right, but the all-reduces carried {shown} elements {where}, "
+                f"{sum(sent)} in all, not the model's {sum(numels)}: all-reduce every gradient exactly once.")
+    if len(sent) == len(numels) > len(expected) and sorted(sent) == sorted(numels):
+        return (f"Your gradients are right, but you all-reduced each of the {len(numels)} tensors on its own {where}: "
+                f"a bucket takes tensors until the next one would pass the cap of {cap}, so that there are as few "
+                "all-reduces as the cap allows (each pays the latency alpha).")
+    if sent == _buckets(numels[::-1], cap):
+        return (f"Your gradients are right, but the buckets follow the registration order {where}: fill them in "
+                "REVERSE order (reversed(list(model.parameters()))), as DDP does: backward produces the last "
+                "layer's gradients first, so that bucket can leave first.")
+    for i, (n, e) in enumerate(zip(sent, expected)):
+        if n == e:
+            continue
+        if n > cap and n not in numels:
+            return (f"Your gradients are right, but all-reduce {i} carried {n} elements {where}, over the cap of "
+                    f"{cap}: close a bucket before the next tensor would take it past the cap (only a tensor "
+                    "larger than the cap travels alone).")
+        if n < e:
+            return (f"Your gradients are right, but all-reduce {i} carried {n} elements {where}, and the next "
+                    f"tensor in reverse order would still have fitted under the cap of {cap}: a bucket takes tensors "
+                    "until the next one would pass the cap, so that there are as few all-reduces as the cap allows.")
+        break
+    return (f"Your gradients are right, but the all-reduces carried {shown} elements {where}: buckets of at most "
+            f"{cap} elements, filled in reverse parameter order without splitting a tensor, are not that.")
+
+
+def _prescale_problem(result, where):
+    """Why one rank's call did not scale before reducing (exercise 1), or None."""
+    calls = result["all_reduces"]
+    if not calls:
+        return f"No dist.all_reduce was called {where}: the gradients must be summed over the ranks."
+    ops = sorted({c["op"] for c in calls if c["op"] != "SUM"})
+    if ops:
+        return (f"Your gradients are right, but you all-reduced with ReduceOp.{ops[0]} {where}: AVG divides by "
+                "world_size AFTER the sum. This exercise scales each gradient BEFORE the all-reduce and sums "
+                "(ReduceOp.SUM, the default), so the reduced values are already the mean.")
+    if any(c["sq_norm"] is None for c in calls):
+        return f"Call dist.all_reduce without async_op=True here {where}, so that the check can read its result."
+    reduced = math.sqrt(sum(c["sq_norm"] for c in calls))
+    final = _flat(result["grads"]).norm().item()
+    if not math.isclose(reduced, final, rel_tol=1e-9):
+        return (f"Your gradients are right, but they were scaled after the all-reduce {where}: what came out of "
+                f"the all-reduces is {reduced / final:.4g}x the final gradient. Scale each gradient (by 1/(K x W)) "
+                "BEFORE dist.all_reduce, as DDP's allreduce_hook divides first, and change nothing after it.")
+    return None
+
+
+def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequal=False, collectives=None,
+                         prescaled=False, bucket_numel=None):
     """Check ``fn(model, micro_batches)`` against one process on the whole batch; raise AssertionError if wrong.
 
     Introduced in 05_manual_gradient_averaging. ``micro_batches`` is this rank's list of pairs
@@ -385,7 +482,10 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
     ``unequal=True``: the micro-batches differ in size between micro-steps and between ranks (as
     token counts do). A mean of micro-batch means, or a mean of per-rank means, then fails with the
     weights it gives each sample. ``collectives=N``: the function may call at most N collectives
-    (``dist.all_reduce`` and friends, counted on every rank) per call.
+    (``dist.all_reduce`` and friends, counted on every rank) per call. ``prescaled=True`` (exercise 1):
+    the gradients must be scaled BEFORE an all_reduce(SUM), nothing changed after it. ``bucket_numel=C``
+    (exercise 2): one all_reduce per bucket of at most C elements, filled in reverse parameter order
+    without splitting a tensor (a tensor over C goes alone), and no other collective.
 
     The ranks are ``cluster`` if given; else, in a notebook, the ``%%ddp`` cluster (a 2-rank one
     is started if none runs); else a gloo ``Cluster(world_size or 2)`` kept for the next call. An error
@@ -410,7 +510,7 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
             "in the same order: is an all_reduce inside `if rank == 0:`, or called a different number of "
             "times on different ranks?") from None
     for i, case in enumerate(cases):
-        wrong = _wrong_weightings(case) if unequal else None
+        wrong = {**(_wrong_weightings(case) if unequal else {}), **_last_micro_batch_only(case)}
         problem = _compare([results[r][i]["grads"] for r in range(ws)], _reference(case), case, wrong)
         if problem:
             raise _fail(_with_hint(problem))
@@ -421,11 +521,27 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
                 total = sum(counts.values())
                 if total > collectives:
                     calls = ", ".join(f"dist.{name} x {n}" for name, n in sorted(counts.items()))
+                    count = (" and this rank's sample count (one more element at the end, all-reduced with "
+                             "them; divide by it afterwards)") if unequal else ""
                     raise _fail(
                         f"Your gradients are right, but rank {r} called {total} collectives in one call ({calls}) "
                         f"{_describe_case(case)}; the exercise allows {collectives}. Each call pays the latency "
-                        "alpha once: flatten every gradient into one tensor (torch.cat), all-reduce it once, and "
-                        "copy the slices back into each p.grad.")
+                        f"alpha once: flatten every gradient{count} into one tensor (torch.cat), all-reduce it "
+                        "once, and copy the slices back into each p.grad.")
+    for i, case in enumerate(cases):
+        for r in range(ws):
+            result, where = results[r][i], f"on rank {r} {_describe_case(case)}"
+            problem = _prescale_problem(result, where) if prescaled else None
+            if bucket_numel is not None and problem is None:
+                others = {k: n for k, n in result["collectives"].items() if k != "all_reduce"}
+                if others:
+                    problem = (f"Your gradients are right, but you called {', '.join(others)} {where}: "
+                               "exercise 2 averages with one dist.all_reduce per bucket and nothing else.")
+                else:
+                    problem = _bucket_problem([c["numel"] for c in result["all_reduces"]], result["numels"],
+                                              bucket_numel, where)
+            if problem:
+                raise _fail(problem)
 
 
 # -- exercise 3: Adam hides the bug -----------------------------------------------------------------
@@ -472,8 +588,57 @@ def check_adam_hides_the_bug(bad, good, sgd_difference=None, loop=None):
 
 
 # -- the course's solutions (try your own first) ---------------------------------------------------
+def solution_scale_then_sum(model, micro_batches):
+    """Exercise 1: the mean loss of each micro-batch, each gradient scaled by 1/(K x W), THEN summed."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    for x, y in micro_batches:
+        F.mse_loss(model(x), y).backward()
+    for p in model.parameters():
+        p.grad /= len(micro_batches) * dist.get_world_size()
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def solution_bucketed(model, micro_batches, bucket_numel=16):
+    """Exercise 2: one all-reduce per bucket of at most ``bucket_numel`` elements, in reverse parameter order."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) / len(micro_batches)).backward()
+    buckets, current = [], []
+    for p in reversed(list(model.parameters())):
+        if current and sum(g.numel() for g in current) + p.numel() > bucket_numel:
+            buckets.append(current)
+            current = []
+        current.append(p.grad)
+    buckets.append(current)
+    for grads in buckets:
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+
+def solution_tokens_in_one_all_reduce(model, micro_batches):
+    """Exercise 4: per-sample losses summed, the gradients and this rank's count in ONE all-reduce, then / N."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    for x, y in micro_batches:
+        F.mse_loss(model(x), y, reduction="sum").backward()
+    grads = [p.grad for p in model.parameters()]
+    n_local = torch.tensor([float(sum(len(x) for x, _ in micro_batches))], dtype=grads[0].dtype)
+    flat = torch.cat([g.flatten() for g in grads] + [n_local])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat = flat[:-1] / flat[-1]
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
 def solution_accumulate_and_average(model, micro_batches):
-    """Exercise 1: mean loss / K per micro-batch, then SUM over the ranks / W."""
+    """The lesson's own averaging step: mean loss / K per micro-batch, then SUM over the ranks / W."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -486,7 +651,7 @@ def solution_accumulate_and_average(model, micro_batches):
 
 
 def solution_one_all_reduce(model, micro_batches):
-    """Exercise 2: every gradient flattened into one buffer, one all-reduce, copied back."""
+    """Lesson 01's flat all-reduce: every gradient flattened into one buffer, one all-reduce, copied back."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -506,7 +671,7 @@ def solution_make_adam(params):
 
 
 def solution_token_weighted(model, micro_batches):
-    """Exercise 4: sum of per-sample losses / the global sample count, then SUM over the ranks."""
+    """The lesson's sum over a global count: per-sample losses / the global sample count, then SUM over ranks."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
