@@ -1,0 +1,254 @@
+"""Training memory of a real-size model, measured on the CPU in seconds with fake tensors.
+
+Introduced in 13_fsdp_by_hand (and used again in 15_fine_tuning_small_cards). The model is built on the
+``meta`` device, sharded with FSDP2's ``fully_shard`` on a world from torch's ``fake`` process-group backend
+(every collective returns at once, no other process exists), then materialised with ``to_empty`` under
+``FakeTensorMode``: every tensor has a shape, a dtype and a storage size, and no bytes. torch's
+``FSDPMemTracker`` (or ``MemTracker`` without FSDP) then follows one training step and records the peak,
+by kind, exactly as it does for real tensors. A 6.74B-parameter model takes a few seconds.
+
+What fake tensors measure right, checked against real tensors at small scale in the lesson: parameters,
+gradients, activations, the buffers FSDP2 gathers and reduces, and the optimizer state of the for-loop
+AdamW (``foreach=False``). What they do not: see ``FOREACH_NOTE``. What no tensor meter sees at all: the
+CUDA context, the allocator's fragmentation and cached blocks, NCCL's buffers and kernels' workspaces.
+"""
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+GB = 1e9
+GiB = 2 ** 30
+
+FOREACH_NOTE = (
+    "Under FakeTensorMode, FSDP2's DTensor parameters and foreach=True AdamW, MemTracker counts one new\n"
+    "shard-sized buffer per foreach op of the step (9 shards in all where real tensors hold 3: the two\n"
+    "moments and one sqrt temporary), because the fake outputs of in-place foreach ops on DTensors reach\n"
+    "the tracker as new storages. The for-loop AdamW (foreach=False) is measured right under fake tensors,\n"
+    "so the true-size runs use it, and foreach's real cost is measured with real tensors at small scale."
+)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The published shape of a Llama-family decoder: RMSNorm, grouped-query attention, SwiGLU, untied head."""
+    name: str
+    vocab_size: int
+    d_model: int
+    n_layer: int
+    d_ff: int
+    n_head: int
+    n_kv_head: int
+
+    @property
+    def n_params(self):
+        head_dim = self.d_model // self.n_head
+        attn = 2 * self.d_model * self.d_model + 2 * self.d_model * self.n_kv_head * head_dim
+        block = attn + 3 * self.d_model * self.d_ff + 2 * self.d_model
+        return 2 * self.vocab_size * self.d_model + self.n_layer * block + self.d_model
+
+
+# Llama 2 7B and Mistral 7B v0.1: the configurations their authors published (config.json on the hub).
+LLAMA2_7B = LlamaShape("Llama-2-7B", vocab_size=32000, d_model=4096, n_layer=32, d_ff=11008, n_head=32, n_kv_head=32)
+MISTRAL_7B = LlamaShape("Mistral-7B", vocab_size=32000, d_model=4096, n_layer=32, d_ff=14336, n_head=32, n_kv_head=8)
+# The article's "model that alone needs 14 GB": 14 GB / 16 B per parameter = 875M parameters; this
+# Llama-shaped model has 877.7M (14.04 GB of fp32 AdamW state).
+ARTICLE_14GB = LlamaShape("the article's 14 GB", vocab_size=32000, d_model=2048, n_layer=16, d_ff=4864, n_head=16,
+                          n_kv_head=16)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = s.n_head, s.n_kv_head, s.d_model // s.n_head
+        self.attn_norm = nn.RMSNorm(s.d_model)
+        self.q_proj = nn.Linear(s.d_model, s.d_model, bias=False)
+        self.k_proj = nn.Linear(s.d_model, s.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.d_model, s.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.d_model, s.d_model, bias=False)
+        self.mlp_norm = nn.RMSNorm(s.d_model)
+        self.gate_proj = nn.Linear(s.d_model, s.d_ff, bias=False)
+        self.up_proj = nn.Linear(s.d_model, s.d_ff, bias=False)
+        self.down_proj = nn.Linear(s.d_ff, s.d_model, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(B, T, C))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class LlamaShaped(nn.Module):
+    """A decoder with the shape of ``s`` (no rotary embedding: it has no parameters and changes no byte count)."""
+
+    def __init__(self, s):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.d_model)
+        self.blocks = nn.ModuleList(LlamaBlock(s) for _ in range(s.n_layer))
+        self.norm = nn.RMSNorm(s.d_model)
+        self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
+
+    def forward(self, idx):
+        h = self.embed_tokens(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.norm(h))
+
+
+@contextlib.contextmanager
+def fake_world(world_size):
+    """A default process group of ``world_size`` ranks from torch's ``fake`` backend, in this process only.
+
+    This process plays rank 0; the collectives do nothing (so values are meaningless, sizes are right). Run
+    it in the notebook's own process, not inside a ``%%ddp`` cell: a rank there already has its group.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("fake_world(): a default process group exists already in this process. Measure "
+                           "true sizes in the notebook's own process (a plain cell, not a %%ddp cell).")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _kinds(snapshot):
+    """A tracker's snapshot ({device: {reftype: bytes}}) as this course's kinds, in bytes."""
+    out = dict(parameters=0, gradients=0, optimizer_state=0, activations=0, temporaries=0, comm_buffers=0, total=0)
+    where = {"Sharded Param": "parameters", "Unsharded Param": "parameters", "Parameter": "parameters",
+             "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "Gradient": "gradients",
+             "Optstate": "optimizer_state", "OptState": "optimizer_state",
+             "Activation": "activations", "Temp": "temporaries",
+             "All Gather": "comm_buffers", "Reduce Scatter": "comm_buffers", "Buffer": "parameters",
+             "Inputs": "activations", "Other": "temporaries"}
+    for dev_snap in snapshot.values():
+        for kind, nbytes in dev_snap.items():
+            key = getattr(kind, "value", kind)
+            if key == "Total":
+                out["total"] += nbytes
+            else:
+                out[where.get(key, "temporaries")] += nbytes
+    return out
+
+
+def _restart_peak(tracker):
+    # What MemTracker.__enter__ does to start its peak from the memory in use now (torch 2.13's own
+    # attributes): the next phase's peak then starts from what the previous phase left behind.
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+    tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
+
+
+def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, micro_batch_size=1, seq_len=512,
+                 checkpoint=False, foreach=False, modify=None):
+    """Peak memory of rank 0 in each phase of one AdamW training step of ``shape``, in bytes by kind.
+
+    ``strategy``: ``"fsdp2"`` (``fully_shard`` per block and at the root, measured by ``FSDPMemTracker``) or
+    ``"replica"`` (one whole model per rank, as DDP and ZeRO keep it, measured by ``MemTracker``; DDP's bucket
+    copy and ZeRO's sharded state are then added by ``replica_strategies``). ``mixed_precision``: FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 shards, bf16 gathered weights), or
+    for a replica bf16 autocast over fp32 weights. ``checkpoint``: activation checkpointing per block.
+    ``modify(model)``: called on the meta model before sharding (freeze a base, add adapters, ...).
+
+    Returns ``{"forward": kinds, "backward": kinds, "step": kinds, "n_params": ..., "n_trainable": ...,
+    "seconds": ...}``; each ``kinds`` is the phase's peak with its breakdown at that moment.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    t0 = time.perf_counter()
+    with fake_world(world_size):
+        with torch.device("meta"):
+            model = LlamaShaped(shape)
+        if modify is not None:
+            modify(model)
+        if checkpoint:
+            for block in model.blocks:
+                block.forward = (lambda f: lambda x: ckpt(f, x, use_reentrant=False))(block.forward)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if strategy == "fsdp2":
+            kw = {}
+            if mixed_precision:
+                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.blocks:
+                fully_shard(block, **kw)
+            fully_shard(model, **kw)
+        elif strategy != "replica":
+            raise ValueError(f"strategy={strategy!r}: use 'fsdp2' or 'replica' (DDP and ZeRO start from a replica)")
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=foreach)
+            idx = torch.randint(shape.vocab_size, (micro_batch_size, seq_len))
+            autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision and strategy == "replica"
+                        else contextlib.nullcontext())
+            phases = {}
+
+            def forward():
+                with autocast:
+                    logits = model(idx)
+                return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
+
+            loss = forward()                       # a first step outside the tracker: AdamW makes its state
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del loss
+            if strategy == "fsdp2":
+                tracker = FSDPMemTracker(model, optimizer)
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, optimizer)
+            with tracker:
+                loss = forward()
+                phases["forward"] = _kinds(tracker.get_tracker_snapshot("peak"))
+                _restart_peak(tracker)
+                loss.backward()
+                del loss
+                phases["backward"] = _kinds(tracker.get_tracker_snapshot("peak"))
+                _restart_peak(tracker)
+                optimizer.step()
+                phases["step"] = _kinds(tracker.get_tracker_snapshot("peak"))
+                optimizer.zero_grad(set_to_none=True)
+    phases.update(n_params=n_params, n_trainable=n_trainable, seconds=time.perf_counter() - t0)
+    return phases
+
+
+def step_peak(result):
+    """The largest of a ``measure_step`` result's three phase peaks, and the phase it came from."""
+    phase = max(("forward", "backward", "step"), key=lambda p: result[p]["total"])
+    return result[phase]["total"], phase
+
+
+def replica_strategies(replica, world_size, mixed_precision=False):
+    """Per-rank peaks of DDP, ZeRO-1 and ZeRO-2, built from one measured replica (``strategy="replica"``).
+
+    Measured: the replica's phases (weights, gradients, AdamW state, activations and temporaries of one
+    micro-batch). Counted on top, per rank: DDP's bucket copy of the gradients (``gradient_as_bucket_view=False``:
+    4 B per trainable parameter, alive from backward on); ZeRO-1 keeps 1/W of the optimizer state; ZeRO-2 also
+    keeps 1/W of the gradients after their reduce-scatter (one bucket of full gradients at a time, not counted).
+    With ``mixed_precision`` (the ZeRO paper's split), the weights and gradients are bf16 (2 + 2 B) and the
+    optimizer keeps an fp32 master copy beside its moments (4 + 8 B): counted from the same parameter counts.
+    Returns ``{strategy: bytes at the step's peak}``.
+    """
+    n = replica["n_trainable"]
+    W = world_size
+    act = max(replica[p]["activations"] + replica[p]["temporaries"] for p in ("forward", "backward"))
+    p, g, o = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    state = {"DDP": p * n + g * n + o * n + 4 * n,          # + the bucket copy
+             "ZeRO-1": p * n + g * n + o * n / W + 4 * n,
+             "ZeRO-2": p * n + g * n / W + o * n / W}
+    return {name: s + act for name, s in state.items()}
