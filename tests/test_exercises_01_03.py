@@ -152,6 +152,20 @@ def gather_whole_and_sum(x):
     return sum(everyone)
 
 
+def gather_whole_by_keyword(x):
+    """The same wrong method, the input passed by keyword: all_gather(pieces, tensor=x)."""
+    everyone = [torch.zeros_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, tensor=x)
+    return sum(everyone)
+
+
+def gather_whole_all_keywords(x):
+    """The same, every argument by keyword, with the flat form."""
+    out = torch.zeros(x.numel() * dist.get_world_size(), dtype=x.dtype)
+    dist.all_gather_into_tensor(output_tensor=out, input_tensor=x)
+    return out.view(dist.get_world_size(), -1).sum(0)
+
+
 def both_halves_but_gather_whole(x):
     """Calls reduce_scatter for show, then sums whole gathered copies anyway."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -178,7 +192,8 @@ def test_02_exercise_1_all_reduce_in_two_halves(clusters):
     expect_failure(check_all_reduce_in_two_halves, reduce_scatter_only, clusters=clusters,
                    words=["only rank", "reduce-scatter half", "all_gather"])
     expect_failure(check_all_reduce_in_two_halves, gathered_in_reverse, clusters=clusters, words=["rank order"])
-    for wrong in (gather_whole_and_sum, both_halves_but_gather_whole):
+    for wrong in (gather_whole_and_sum, gather_whole_by_keyword, gather_whole_all_keywords,
+                  both_halves_but_gather_whole):
         expect_failure(check_all_reduce_in_two_halves, wrong, clusters=clusters,
                        words=["all-gathered the whole x", "without its first half", "Gather only the chunk"])
     check_all_reduce_in_two_halves(solution_all_reduce_in_two_halves, clusters=clusters)

@@ -22,6 +22,52 @@ def cluster2(make_cluster):
     return make_cluster(world_size=2, timeout=60)  # gloo, shared within this module
 
 
+# -- 06, exercise 1: predict the all-reduces and bytes of accum_steps = 8, with and without no_sync -----------
+def run_check_sync_prediction(predicted, predicted_bytes):
+    """On a rank: the verdict of check_sync_prediction ("passed" or the message)."""
+    from course_utils.ddp_probes import check_sync_prediction
+
+    try:
+        check_sync_prediction(predicted, predicted_bytes, accum_steps=8)
+    except AssertionError as exc:
+        return str(exc)
+    return "passed"
+
+
+GRAD_BYTES = 4 * 1153  # TinyMLP's 1,153 float32 gradients: one bucket
+
+
+@pytest.mark.parametrize("predicted, predicted_bytes, reason", [
+    ({"without no_sync": None, "with no_sync": None}, {"without no_sync": None, "with no_sync": None},
+     r"predicted: fill in your prediction for \['without no_sync', 'with no_sync'\]"),
+    ({"without no_sync": 8, "with no_sync": 1}, None, r"predicted_bytes must be a dict"),
+    ({"without no_sync": 1, "with no_sync": 1}, {"without no_sync": GRAD_BYTES, "with no_sync": GRAD_BYTES},
+     r"without no_sync: you predicted 1 all-reduces .*every forward that runs outside no_sync"),
+    ({"without no_sync": 8, "with no_sync": 0}, {"without no_sync": 8 * GRAD_BYTES, "with no_sync": 0},
+     r"with no_sync: you predicted 0 all-reduces .*which micro-step's forward and backward ran outside it"),
+    ({"without no_sync": 8, "with no_sync": 1}, {"without no_sync": GRAD_BYTES, "with no_sync": GRAD_BYTES},
+     r"without no_sync: you predicted 4612 bytes,.*times the all-reduces"),
+    ({"without no_sync": 8, "with no_sync": 1}, {"without no_sync": 8 * GRAD_BYTES, "with no_sync": 1153},
+     r"with no_sync: you predicted 1153 bytes,.*4 bytes each"),
+])
+def test_check_sync_prediction_rejects_wrong_predictions(cluster2, predicted, predicted_bytes, reason):
+    import re
+
+    verdicts = cluster2.run(run_check_sync_prediction, predicted, predicted_bytes)
+    assert verdicts[0] == verdicts[1], "both ranks must reach the same verdict"
+    assert re.search(reason, verdicts[0]), verdicts[0]
+    assert "36896" not in verdicts[0] and "36,896" not in verdicts[0], "the verdict never gives the answer"
+
+
+def test_check_sync_prediction_passes_the_answer(cluster2):
+    from course_utils.ddp_probes import solution_sync_prediction
+
+    predicted, predicted_bytes = solution_sync_prediction(accum_steps=8)
+    assert predicted == {"without no_sync": 8, "with no_sync": 1}, predicted
+    assert predicted_bytes == {"without no_sync": 8 * GRAD_BYTES, "with no_sync": GRAD_BYTES}, predicted_bytes
+    assert cluster2.run(run_check_sync_prediction, predicted, predicted_bytes) == ["passed", "passed"]
+
+
 # -- 06, exercise 2: accumulate(model, batches) with require_backward_grad_sync ------------------
 def scaffold_accumulate(model, batches):
     raise NotImplementedError("exercise 2: write accumulate")
@@ -170,6 +216,17 @@ def sum_not_avg(state, bucket):  # the default op is SUM
     return fut.then(lambda f: f.value()[0])
 
 
+def divide_then_sum(state, bucket):  # right gradients, but the plain all-reduce-then-divide of section 3
+    buf = bucket.buffer().div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def sum_then_divide(state, bucket):  # right gradients: SUM, divided in the callback
+    fut = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0] / dist.get_world_size())
+
+
 def avg_list_value(state, bucket):  # returns the future's list
     fut = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, async_op=True).get_future()
     return fut.then(lambda f: f.value())
@@ -179,16 +236,24 @@ def avg_list_value(state, bucket):  # returns the future's list
     (avg_scaffold, r"raised on rank 0 \(step 0\): NotImplementedError: exercise 1: write avg_hook. Hint: the hook is "
                    r"still the exercise's scaffold"),
     (avg_and_divide, r"1/2 of DDP's: it divides by world_size twice"),
-    (sum_not_avg, r"SUM of the ranks' gradients, 2 \(= world_size\) times the mean"),
+    (sum_not_avg, r"all-reduced with ReduceOp.SUM on rank 0: the exercise asks for op=dist.ReduceOp.AVG"),
+    (divide_then_sum, r"all-reduced with ReduceOp.SUM on rank 0: .*no division of your own"),
+    (sum_then_divide, r"all-reduced with ReduceOp.SUM on rank 0"),
     (avg_list_value, r"raised on rank 0 \(step 0\)"),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_avg_hook_check_rejects_wrong_answers(cluster2, hook, reason):
     with pytest.raises(AssertionError, match=reason):
-        check_comm_hook(hook, cluster=cluster2)
+        check_comm_hook(hook, cluster=cluster2, op="AVG")
+
+
+def test_without_op_a_divide_then_sum_hook_passes(cluster2):
+    """What the review found: comparing gradients alone, the plain all-reduce-then-divide hook passes."""
+    check_comm_hook(divide_then_sum, cluster=cluster2, quiet=True)
+    check_comm_hook(sum_then_divide, cluster=cluster2, quiet=True)
 
 
 def test_avg_hook_solution_passes(cluster2, capsys):
-    check_comm_hook(avg_hook, cluster=cluster2)
+    check_comm_hook(avg_hook, cluster=cluster2, op="AVG")
     assert "avg_hook matches DDP's all-reduce on 2 ranks" in capsys.readouterr().out
 
 
@@ -249,3 +314,20 @@ def test_fp16_wrapper_solution_and_torchs_pass(cluster2, capsys):
     check_fp16_wrapper(fp16_compress_wrapper, cluster=cluster2)
     out = capsys.readouterr().out
     assert out.count("sends 2306 bytes per step for 1153 gradients") == 2, out
+
+
+def test_describe_cap_sweep_follows_the_numbers():
+    """07's verdict on its bucket_cap_mb sweep: the fastest cap, and whether overlap paid against one bucket."""
+    from course_utils.ddp_probes import describe_cap_sweep
+
+    caps, buckets = (0.25, 2, 4, 25), (7, 4, 2, 1)
+    one_wins = describe_cap_sweep(caps, buckets, (0.0290, 0.0259, 0.0262, 0.0244))  # the review's stored run
+    assert "the fastest was bucket_cap_mb=25 (1 bucket)" in one_wins and "one bucket" in one_wins, one_wins
+    assert "19% faster than the slowest, bucket_cap_mb=0.25" in one_wins, one_wins
+    overlap_pays = describe_cap_sweep(caps, buckets, (0.030, 0.020, 0.022, 0.028))
+    assert "bucket_cap_mb=2 (4 buckets)" in overlap_pays and "40% faster than one bucket" in overlap_pays
+    assert "overlapping the all-reduces with backward paid" in overlap_pays, overlap_pays
+    barely = describe_cap_sweep(caps, buckets, (0.030, 0.0200, 0.022, 0.0205))
+    assert "barely paid" in barely, barely
+    tie = describe_cap_sweep(caps, buckets, (0.0250, 0.0251, 0.0252, 0.0255))
+    assert "no measurable difference" in tie and "fastest" in tie, tie

@@ -80,7 +80,7 @@ _CALLED = []     # collectives the implementation called during the current case
 _SAVED = {}      # (owner, name) -> the original function, while the guard is installed
 _SENT = {"bytes": 0, "messages": 0}   # what this rank handed to send/isend in the current case
 _DEPTH = [0]     # > 0 inside a recorded call: what it calls underneath is not recorded again
-_INPUTS = []     # (collective, numel of its second argument when that is a tensor), in call order
+_INPUTS = []     # (collective, numel of its second argument, positional or keyword, when a tensor), in call order
 # torch.distributed._functional_collectives: the traced collectives, which do not go through dist.*
 FUNCTIONAL = ("all_reduce", "all_reduce_inplace", "all_reduce_coalesced", "all_gather_tensor",
               "all_gather_tensor_inplace", "all_gather_inplace", "all_gather_single",
@@ -101,11 +101,25 @@ def _reset():
     _DEPTH[0] = 0
 
 
+def _second_parameter(original):
+    """The name of ``original``'s second parameter (the input tensor of all_gather and friends), or None."""
+    import inspect
+
+    try:
+        names = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):  # a C++ method without a Python signature: positional only
+        return None
+    return names[1] if len(names) > 1 else None
+
+
 def _recorder(label, original, method=False):
+    second_name = None if method else _second_parameter(original)
+
     def recorder(*args, **kwargs):
         if _DEPTH[0] == 0:
             _CALLED.append(label)
-            second = args[1] if len(args) > 1 else None
+            # positional or by keyword: all_gather(pieces, tensor=x) passes its input as a keyword
+            second = args[1] if len(args) > 1 else kwargs.get(second_name) if second_name else None
             _INPUTS.append((label, second.numel() if isinstance(second, torch.Tensor) else None))
         _DEPTH[0] += 1
         try:

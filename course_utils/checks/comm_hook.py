@@ -38,8 +38,30 @@ def _short_error(exc):
     return f"{type(exc).__name__}: {msg}"
 
 
+def _recording_all_reduce(ops):
+    """Patch dist.all_reduce so that each call appends its op's name to ``ops``; returns an undo."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = [(m, m.all_reduce) for m in (dist, c10d)]
+
+    def recorded(*args, _original=c10d.all_reduce, **kwargs):
+        op = args[1] if len(args) > 1 else kwargs.get("op", dist.ReduceOp.SUM)
+        ops.append(str(op).split(".")[-1].upper())
+        return _original(*args, **kwargs)
+
+    for m, _ in saved:
+        m.all_reduce = recorded
+
+    def undo():
+        for m, original in saved:
+            m.all_reduce = original
+    return undo
+
+
 def _on_rank(hook, state, steps, seed, lr):
-    """Runs on every rank: gradients of DDP's all-reduce and of the hook, step by step."""
+    """Runs on every rank: gradients of DDP's all-reduce and of the hook, step by step, and the ops of the
+    all-reduces the hook called."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -52,7 +74,7 @@ def _on_rank(hook, state, steps, seed, lr):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     reference = DDP(make_model(seed).to(device))
     tested = DDP(make_model(seed).to(device))
-    out = {"grads": [], "error": None}
+    out = {"grads": [], "error": None, "ops": []}
     try:
         if callable(state):
             state = state()  # a factory: each rank builds its own state (PowerSGD keeps per-rank errors)
@@ -66,11 +88,14 @@ def _on_rank(hook, state, steps, seed, lr):
         reference.zero_grad()
         torch.nn.functional.mse_loss(reference(x), y).backward()
         tested.zero_grad()
+        undo = _recording_all_reduce(out["ops"])
         try:
             torch.nn.functional.mse_loss(tested(x), y).backward()
         except Exception as exc:
             out["error"] = (f"step {step}", _short_error(exc))
             return out
+        finally:
+            undo()
         out["grads"].append((flat_grad(reference).cpu(), flat_grad(tested).cpu()))
         with torch.no_grad():  # both models take the reference step: they stay identical
             for p, q in zip(reference.parameters(), tested.parameters()):
@@ -131,7 +156,7 @@ def _looser(err):
 
 
 def check_comm_hook(hook, state=None, rtol=1e-5, *, steps=3, world_size=None, cluster=None,
-                    seed=0, lr=0.1, timeout=60, quiet=False):
+                    seed=0, lr=0.1, timeout=60, quiet=False, op=None):
     """Check that DDP with ``hook`` gives the gradients of DDP's default all-reduce.
 
     Introduced in 08_comm_hooks. Each rank trains a TinyMLP for ``steps`` steps on its own shard
@@ -146,6 +171,9 @@ def check_comm_hook(hook, state=None, rtol=1e-5, *, steps=3, world_size=None, cl
       suits lossless hooks; loosen it for compressed ones (fp16 ~1e-3, bf16 ~1e-2, PowerSGD more).
     - Runs on the ``%%ddp`` cluster when one is running, else on a ``world_size``-rank cluster
       (default 2) that is started once and reused; or pass ``cluster=``.
+
+    - ``op="AVG"`` (08's exercise 1): every ``dist.all_reduce`` the hook calls must use
+      ``ReduceOp.AVG``, so that the hook has no division of its own to get wrong.
 
     Raises ``AssertionError`` explaining what is wrong: the hook raised (with the rank's
     exception), returned the sum (off by a factor of world_size), or returned garbage.
@@ -174,6 +202,19 @@ def check_comm_hook(hook, state=None, rtol=1e-5, *, steps=3, world_size=None, cl
         if res["error"] is not None:
             when, message = res["error"]
             raise AssertionError(f"{name} raised on rank {r} ({when}): {message.rstrip('.')}.{_hint(message)}")
+    if op is not None:
+        for r, res in enumerate(results):
+            if not res["ops"]:
+                raise AssertionError(
+                    f"{name} called no dist.all_reduce on rank {r}: the exercise averages the bucket with one "
+                    f"dist.all_reduce(..., op=dist.ReduceOp.{op}, async_op=True) (call it as dist.all_reduce, "
+                    "so that the check can see it).")
+            other = sorted(set(res["ops"]) - {op})
+            if other:
+                raise AssertionError(
+                    f"{name} all-reduced with ReduceOp.{other[0]} on rank {r}: the exercise asks for "
+                    f"op=dist.ReduceOp.{op}, which does the averaging inside the collective, and no division "
+                    "of your own (a hook that divides and sums is lesson 08's section 3, already written).")
     for r, res in enumerate(results):
         for step, (_, got) in enumerate(res["grads"]):
             if not bool(torch.isfinite(got).all()):
