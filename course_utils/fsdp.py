@@ -12,7 +12,9 @@ course_utils.gpt), plus the root, which holds everything else (embeddings, final
   them steps 1/W of the model, with 1/W of the optimizer state. An element-wise optimizer (SGD,
   Adam, AdamW) computes exactly what it would on the full tensors. A non-element-wise one (LAMB's
   trust ratio, Adafactor's row and column statistics, Muon's orthogonalisation) sees a flat slice
-  that cuts across parameters and rows: it runs, and computes something else.
+  that cuts across parameters and rows: it would run and compute something else, so its first
+  ``step()`` over MicroFSDP's shards is refused (Adafactor, Muon, LBFGS, SparseAdam: ``ValueError``,
+  as ``ShardedOptimizer`` refuses them), and an optimizer the course cannot classify gets a warning.
 - **Forward.** A forward pre-hook all-gathers the unit's full parameters into one flat buffer (in
   ``compute_dtype``) and the module's original attributes are views of that buffer; a forward
   hook frees the buffer (its storage is resized to 0 bytes) as soon as the unit has run. The
@@ -32,23 +34,29 @@ course_utils.gpt), plus the root, which holds everything else (embeddings, final
   in backward, the unit before it. ``events = []`` records a timeline (``plot_fsdp_timeline``).
 - **Real models.** Frozen parameters go into a second flat group per unit, gathered but never
   reduced. A parameter used by two units (a tied weight across units) goes to the root; a tied
-  weight inside one unit (the GPT's embedding and head, both in the root) is stored once and its
-  two gradients are summed by autograd before the hook sees them. Sizes that do not divide by W
-  are padded. **Gradient accumulation** reduce-scatters after every backward and *adds* into the
-  shard's ``.grad``: memory stays at 1/W, at the cost of one reduce-scatter per micro-batch
+  weight inside one unit (an embedding tied to the head, both in the root, as in GPT-2 and in the
+  checker's model; the course's tiny GPT has a separate head) is stored once and its two gradients
+  are summed by autograd before the hook sees them. A model without ``.blocks`` needs ``units=``
+  (without it everything is one unit, gathered from forward to the end of backward: a warning says
+  so). Sizes that do not divide by W are padded. **Gradient accumulation** reduce-scatters after
+  every backward and *adds* into the shard's ``.grad``: memory stays at 1/W, at the cost of one
+  reduce-scatter per micro-batch
   (FSDP2's ``set_requires_gradient_sync(False)`` makes the other choice: unsharded gradients,
   full size, kept until the last micro-batch). ``full_state_dict()`` gathers the fp32 parameters
-  by their original names, for evaluation and checkpoints.
+  by their original names (a ``Checkpointed`` wrapper's ``.block`` left out), for evaluation and checkpoints.
 """
 import time
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MicroFSDP", "FlatParam", "Checkpointed", "checkpoint_blocks", "plot_fsdp_timeline", "pad_and_shard",
-           "race_fully_shard"]
+__all__ = ["MicroFSDP", "FlatParam", "Checkpointed", "checkpoint_blocks", "original_name", "plot_fsdp_timeline",
+           "pad_and_shard", "race_fully_shard"]
 
 
 def pad_and_shard(tensors, rank, world_size):
@@ -59,6 +67,53 @@ def pad_and_shard(tensors, rank, world_size):
     flat = torch.nn.functional.pad(flat, (0, padded - flat.numel()))
     n = padded // world_size
     return flat[rank * n:(rank + 1) * n].clone(), padded
+
+
+# -- optimizers over the shards: element-wise only -----------------------------------------------------
+_SHARDS = weakref.WeakValueDictionary()       # id -> every MicroFSDP shard alive
+_checked_classes = set()
+_watching = []
+
+
+def _check_optimizer(optimizer, args, kwargs):
+    """A global optimizer-step pre-hook: an optimizer stepping MicroFSDP shards must be element-wise."""
+    from course_utils.zero import EXACT_OPTIMIZERS, _check_element_wise
+
+    klass = type(optimizer)
+    if klass in _checked_classes or klass.__module__.startswith("course_utils"):
+        return None
+    if issubclass(klass, EXACT_OPTIMIZERS):
+        _checked_classes.add(klass)
+        return None
+    if any(_SHARDS.get(id(p)) is p for g in optimizer.param_groups for p in g["params"]):
+        _checked_classes.add(klass)               # warn once per class; a refusal raises every time
+        try:
+            _check_element_wise(klass, who="MicroFSDP (its shards are flat slices)", stacklevel=4)
+        except ValueError:
+            _checked_classes.discard(klass)
+            raise
+    return None
+
+
+def _watch_optimizers():
+    if not _watching:
+        _watching.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def original_name(root, fqn):
+    """``fqn`` (a name in ``root``) without the checkpointing wrappers' inner-module parts:
+    ``blocks.0.block.attn.weight`` -> ``blocks.0.attn.weight`` when ``blocks.0`` is a ``Checkpointed``."""
+    parts = fqn.split(".") if fqn else []
+    return ".".join(p for i, p in enumerate(parts) if not _is_wrapper_attr(root, parts[:i], p))
+
+
+def _is_wrapper_attr(root, path, attr):
+    """Whether ``attr`` of the module at ``path`` is a checkpointing wrapper's inner module."""
+    parent = root
+    for p in path:
+        parent = getattr(parent, p)
+    return (isinstance(parent, Checkpointed) and attr == "block") or attr == "_checkpoint_wrapped_module"
+
 
 
 class FlatParam:
@@ -178,7 +233,14 @@ class MicroFSDP(nn.Module):
         self.prefetch, self.reshard_root = prefetch, reshard_root
         self.events = None
         if units is None:
-            units = list(module.blocks) if hasattr(module, "blocks") else []
+            if hasattr(module, "blocks"):
+                units = list(module.blocks)
+            else:
+                warnings.warn(f"MicroFSDP: {type(module).__name__} has no .blocks, so the whole model is one unit "
+                              "(the root), gathered from the start of forward to the end of backward: at the peak "
+                              "nothing is sharded. Name the submodules to shard one at a time with units=, e.g. "
+                              "MicroFSDP(model, units=list(model.layers)).", stacklevel=2)
+                units = []
         names = {m: n for n, m in module.named_modules()}
         prefixes = [names[m] for m in units]
         per_unit = self.collect(module, prefixes)
@@ -198,6 +260,8 @@ class MicroFSDP(nn.Module):
             self.units.append(unit)
             for f in flats:
                 self.shards.append(f.shard)
+                _SHARDS[id(f.shard)] = f.shard
+        _watch_optimizers()
         self.root = self.units[-1]
         self._order = list(self.units[:-1])     # forward order of the units (registration order until measured)
         self._seen = []
@@ -396,8 +460,12 @@ class MicroFSDP(nn.Module):
         return out
 
     def _fqn(self, mod, attr):
+        """The name ``attr`` of ``mod`` has in the module as it was written, without the wrappers that
+        activation checkpointing adds (``Checkpointed.block``, torch's ``_checkpoint_wrapped_module``)."""
         if not hasattr(self, "_module_names"):
-            self._module_names = {m: n for n, m in self.module.named_modules(remove_duplicate=False)}
+            self._module_names = {}
+            for n, m in self.module.named_modules(remove_duplicate=False):
+                self._module_names.setdefault(m, original_name(self.module, n))
         prefix = self._module_names[mod]
         return f"{prefix}.{attr}" if prefix else attr
 

@@ -72,18 +72,20 @@ _NOT_ELEMENT_WISE = {
 }
 
 
-def _check_element_wise(optimizer_class):
+def _check_element_wise(optimizer_class, who="ShardedOptimizer", stacklevel=3):
+    """Refuse a known non-element-wise optimizer over flat slices (``ValueError``), warn about an unknown one.
+    ``who``: the sharding tool named in the message (ShardedOptimizer here, MicroFSDP in course_utils.fsdp)."""
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, EXACT_OPTIMIZERS):
         return
     for klass in getattr(optimizer_class, "__mro__", ()):
         if klass.__name__ in _NOT_ELEMENT_WISE:
-            raise ValueError(f"ShardedOptimizer cannot shard {klass.__name__}: it {_NOT_ELEMENT_WISE[klass.__name__]}. "
+            raise ValueError(f"{who} cannot shard {klass.__name__}: it {_NOT_ELEMENT_WISE[klass.__name__]}. "
                              "Use an element-wise optimizer (SGD, Adam, AdamW, ...) or shard whole parameters "
                              "(ZeroRedundancyOptimizer, FSDP2's fully_shard with per-parameter DTensors).")
     name = getattr(optimizer_class, "__name__", repr(optimizer_class))
-    warnings.warn(f"ShardedOptimizer cannot tell whether {name} is element-wise: over a flat slice it is exact only "
+    warnings.warn(f"{who} cannot tell whether {name} is element-wise: over a flat slice it is exact only "
                   "if each element's update depends on that element alone (as in SGD, Adam, AdamW). Compare it "
-                  "with the unsharded optimizer before trusting it.", stacklevel=3)
+                  "with the unsharded optimizer before trusting it.", stacklevel=stacklevel)
 
 
 class _Bucket:

@@ -162,12 +162,52 @@ class TiedTwice(MicroFSDP):
         return per_unit
 
 
+class _Synchronous(MicroFSDP):
+    """The learner's post_backward of lesson 13 (a blocking reduce-scatter), with one of its duties switchable."""
+    frees, drops_grads, adds = True, True, True
+
+    def post_backward(self, unit):
+        if unit.reduced:
+            return
+        unit.reduced = True
+        for flat in unit.trainable:
+            grad = flat.flat_grad() / self.world_size
+            mine = torch.empty_like(flat.shard)
+            dist.reduce_scatter_single(mine, grad, group=self.group)
+            if self.adds and flat.shard.grad is not None:
+                flat.shard.grad += mine
+            else:
+                flat.shard.grad = mine
+            if self.drops_grads:
+                for view in flat.views:
+                    view.grad = None
+        if unit is not self.root and self.frees:
+            for flat in unit.flats:
+                flat.free()
+
+
+class KeepsGathered(_Synchronous):
+    """Never frees a unit's gathered weights in post_backward (only _finish does, at the end of backward)."""
+    frees = False
+
+
+class KeepsViewGrads(_Synchronous):
+    """Reduce-scatters, but leaves the full-size gradients in the views."""
+    drops_grads = False
+
+
+class Overwrites(_Synchronous):
+    """shard.grad = mine every time: accumulation keeps only the last micro-batch."""
+    adds = False
+
+
 def _micro_fsdp_verdict(kind):
     from course_utils.checks import check_micro_fsdp
 
     makers = {"not-freed": NotFreed, "not-regathered": NotRegathered, "all-reduced": AllReduced,
               "not-divided": NotDivided, "stale": Stale, "tied-twice": TiedTwice, "solution": MicroFSDP,
-              "no-prefetch": lambda m: MicroFSDP(m, prefetch=False)}
+              "no-prefetch": lambda m: MicroFSDP(m, prefetch=False), "keeps-gathered": KeepsGathered,
+              "keeps-view-grads": KeepsViewGrads, "overwrites": Overwrites, "synchronous": _Synchronous}
     return verdict(check_micro_fsdp, makers[kind])
 
 
@@ -178,6 +218,10 @@ def _micro_fsdp_verdict(kind):
     ("not-divided", ["world_size x the average", "divide by W"]),
     ("stale", ["matched one process at step 0", "from before the optimizer's step", "shard Parameters"]),
     ("tied-twice", ["tied weight is counted twice", "by identity"]),
+    ("keeps-gathered", ["unit blocks.", "still holds its gathered weights", "after its reduce-scatter", "free them"]),
+    ("keeps-view-grads", ["views still hold their full-size gradients", "view.grad = None"]),
+    ("overwrites", ["2 accumulated micro-batches per step", "only the last micro-batch",
+                    "Assign into .grad only when it is None; otherwise add"]),
 ])
 def test_check_micro_fsdp_names_the_typical_wrong_answers(cluster, kind, words):
     got = cluster.run(_micro_fsdp_verdict, kind)
@@ -187,9 +231,28 @@ def test_check_micro_fsdp_names_the_typical_wrong_answers(cluster, kind, words):
         assert w in got[0], f"the verdict on {kind} should mention {w!r}: {got[0]}"
 
 
-@pytest.mark.parametrize("kind", ["solution", "no-prefetch"])
+@pytest.mark.parametrize("kind", ["solution", "no-prefetch", "synchronous"])
 def test_check_micro_fsdp_passes_the_solution(cluster, kind):
     assert cluster.run(_micro_fsdp_verdict, kind) == [None, None]
+
+
+def _micro_fsdp_printout(kind):
+    import contextlib
+    import io
+
+    from course_utils.checks import check_micro_fsdp
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        check_micro_fsdp({"solution": MicroFSDP, "synchronous": _Synchronous}[kind])
+    return out.getvalue()
+
+
+def test_check_micro_fsdp_says_when_the_course_s_solution_passed(cluster):
+    solution = cluster.run(_micro_fsdp_printout, "solution")[0]
+    assert "That was the course's solution" in solution and "USE_SOLUTION = False" in solution, solution
+    mine = cluster.run(_micro_fsdp_printout, "synchronous")[0]
+    assert mine.startswith("check_micro_fsdp: the full parameters equal") and "course's solution" not in mine, mine
 
 
 # -- the exercise cell of the stored notebook ----------------------------------------------------------------

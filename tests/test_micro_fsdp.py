@@ -120,3 +120,89 @@ def test_the_next_unit_is_gathered_while_the_current_one_runs(cluster):
     # in backward, blocks.1's gather starts before blocks.2's reduce-scatter (blocks.2 still computing)
     assert events.index(("all-gather start", "blocks.1"), forward_end) < \
         events.index(("reduce-scatter start", "blocks.2")), events
+
+
+def _names_warnings_and_optimizers():
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from course_utils.fsdp import MicroFSDP, checkpoint_blocks
+    from course_utils.gpt import make_gpt
+
+    out = {}
+    # checkpointed blocks: full_state_dict() has the plain GPT's names, and the plain GPT loads it
+    model = MicroFSDP(checkpoint_blocks(make_gpt(20, seed=0)))
+    full = model.full_state_dict()
+    plain = make_gpt(20, seed=1)
+    out["names"] = sorted(full) == sorted(n for n, _ in plain.named_parameters())
+    missing, unexpected = plain.load_state_dict(full, strict=False)
+    out["loaded"] = not unexpected and all(not any(n.endswith(k) for k in ("weight", "bias")) for n in missing)
+    out["same"] = all(torch.equal(full[n], p) for n, p in plain.named_parameters())
+    # a model without .blocks: one unit, and a warning that names units=
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MicroFSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    out["no_blocks"] = [str(w.message) for w in caught if "MicroFSDP" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        MicroFSDP(seq, units=[seq[0]])
+    out["with_units"] = [str(w.message) for w in caught if "MicroFSDP" in str(w.message)]
+    # optimizers over the flat shards: element-wise ones step, Adafactor and Muon are refused before computing
+    model = MicroFSDP(make_gpt(20, seed=0))
+    x = torch.randint(20, (2, 8))
+
+    def step(optimizer):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            optimizer.step()
+        except ValueError as exc:
+            return str(exc), all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        return None, all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+    out["adamw"] = step(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    out["adafactor"] = step(torch.optim.Adafactor(model.parameters(), lr=1e-3))
+    # (torch's own Muon refuses 1-D parameters itself.) An optimizer the course cannot classify: a warning, once
+
+    class Unknown(torch.optim.Optimizer):                 # sign descent, written by hand
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p -= group["lr"] * p.grad.sign()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unknown = Unknown(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            step(unknown)
+    out["unknown"] = [str(w.message) for w in caught if "MicroFSDP" in str(w.message)]
+    # an optimizer over a plain model is none of MicroFSDP's business
+    other = nn.Linear(4, 4)
+    other(torch.randn(2, 4)).sum().backward()
+    opt = torch.optim.Adafactor(other.parameters(), lr=1e-3)
+    opt.step()
+    out["plain_adafactor"] = True
+    return out
+
+
+def test_checkpointed_names_blocks_warning_and_non_element_wise_optimizers(cluster):
+    r = cluster.run(_names_warnings_and_optimizers)[0]
+    assert r["names"] and r["loaded"] and r["same"], "full_state_dict() of checkpointed blocks: the GPT's own names"
+    assert len(r["no_blocks"]) == 1 and "no .blocks" in r["no_blocks"][0] and "units=" in r["no_blocks"][0], r
+    assert r["with_units"] == [], "units= given: no warning"
+    assert r["adamw"] == (None, False), "AdamW steps the shards"
+    message, unchanged = r["adafactor"]
+    assert message and "MicroFSDP" in message and "cannot shard Adafactor" in message, r["adafactor"]
+    assert unchanged, "Adafactor: refused before it changed a shard"
+    assert len(r["unknown"]) == 1 and "cannot tell whether Unknown is element-wise" in r["unknown"][0], r["unknown"]
+    assert r["plain_adafactor"]

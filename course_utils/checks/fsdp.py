@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_utils.checks.micro_ddp import _agree, _raised, _verdict
+from course_utils.fsdp import original_name
 
 
 # -- piece 1: pad and shard ------------------------------------------------------------------------
@@ -159,13 +160,44 @@ def _reference_grads(ref, xs, ys, compute_dtype, world_size):
             p.grad = grads[n]
 
 
+def _watch_post_backward(model, found):
+    """Wrap ``model.post_backward`` (on this instance): right after it returns for a unit other than the root,
+    that unit must hold neither its gathered weights nor its views' full-size gradients. The first problem is
+    appended to ``found``, in words."""
+    original = getattr(model, "post_backward", None)
+    root = getattr(model, "root", None)
+    if original is None or not hasattr(model, "units"):
+        return
+
+    def post_backward(unit, *args, **kwargs):
+        result = original(unit, *args, **kwargs)
+        if unit is root or getattr(model, "reshard_root", False) or found:
+            return result
+        held = sum(f.full.untyped_storage().nbytes() for f in unit.flats)
+        grads = sum(v.grad.numel() * v.grad.element_size() for f in unit.trainable for v in f.views
+                    if v.grad is not None)
+        if held:
+            found.append(f"unit {unit.name} still holds its gathered weights ({held} bytes) after its reduce-scatter: "
+                         "free them in post_backward (flat.free() for each of unit.flats, the root excepted), or "
+                         "every unit stays gathered until backward ends and memory is not 1/W.")
+        elif grads:
+            found.append(f"unit {unit.name}'s views still hold their full-size gradients ({grads} bytes) after its "
+                         "reduce-scatter: set view.grad = None for every view of flat.views once the gradient has "
+                         "been reduce-scattered. Otherwise each unit keeps a full gradient, and the next backward adds "
+                         "into it (the next step's gradient would be wrong).")
+        return result
+
+    model.post_backward = post_backward
+
+
 def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", compute_dtype=torch.float32,
                              accum_steps=1, micro_batch_size=3, tol=1e-6, case="", check_memory=True):
     """Train ``make(build())`` on this rank's share and ``build()`` in one process on the whole batch; None if
     the full parameters agree within ``tol`` after every step, else the first problem in words (the same on
     every rank)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    case = case or f"{ws} ranks, {optimizer}, {str(compute_dtype).replace('torch.', '')}"
+    case = case or (f"{ws} ranks, {optimizer}, {str(compute_dtype).replace('torch.', '')}"
+                    + (f", {accum_steps} accumulated micro-batches per step" if accum_steps > 1 else ""))
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     ref = build().to(device)
     try:
@@ -189,6 +221,9 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
     if problem:
         return problem
     opt, ref_opt = OPTIMIZERS[optimizer](shards), OPTIMIZERS[optimizer](list(ref.parameters()))
+    after_reduce = []                                 # what a unit still holds once its post_backward returned
+    if check_memory:
+        _watch_post_backward(model, after_reduce)
     vocab = ref.wte.num_embeddings
     g = torch.Generator().manual_seed(11)
     root_bytes = sum(f.nbytes for f in model.root.flats) if hasattr(model, "root") else 0
@@ -215,6 +250,8 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
             if "storage" in str(exc):
                 problem += (" A freed buffer was read in backward: gather the unit's parameters again (into the same "
                             "storage) when backward reaches it, before its gradients are computed.")
+        if problem is None and after_reduce:
+            problem = f"{case}, step {step}: {after_reduce[0]}"
         problem = _agree(problem)
         if problem:
             return problem
@@ -232,6 +269,14 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
         problem = _agree(problem)
         if problem:
             return problem
+        last_only = None
+        if accum_steps > 1:                               # what a wrapper that overwrites .grad would hold
+            import copy
+
+            last_only = copy.deepcopy(ref)
+            _reference_grads(last_only, [xs[r * accum_steps + accum_steps - 1] for r in range(ws)],
+                             [ys[r * accum_steps + accum_steps - 1] for r in range(ws)], compute_dtype, ws)
+            last_only = {n: q.grad / accum_steps for n, q in last_only.named_parameters() if q.grad is not None}
         _reference_grads(ref, [xs[r * accum_steps + k] for r in range(ws) for k in range(accum_steps)],
                          [ys[r * accum_steps + k] for r in range(ws) for k in range(accum_steps)], compute_dtype, ws)
         got = _full_grads(model)
@@ -250,13 +295,21 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
             if torch.allclose(have, want * ws, rtol=1e-3, atol=1e-6):
                 problem = (f"{case}, step {step}: {name}.grad is world_size x the average: divide by W before (or "
                            "after) the reduce-scatter, which SUMS.")
+            elif last_only is not None and name in last_only and (have - last_only[name]).abs().max().item() <= (
+                    tol * max(1.0, scale) * 10):
+                problem = (f"{case}, step {step}: {name}.grad holds only the last micro-batch's gradient: each "
+                           "backward replaced the shard's .grad instead of adding to it. Assign into .grad only "
+                           "when it is None; otherwise add (accumulation keeps the sum in the 1/W shard).")
             elif step > 0:
                 problem = (f"{case}, step {step}: the gradients matched one process at step 0 but not at step {step} "
                            f"({name}.grad off by {err:.1e}): the forward used weights from before the optimizer's "
                            "step. Gather from the shard Parameters the optimizer updates, not from a copy taken "
                            "earlier.")
             else:
-                problem = f"{case}, step {step}: {name}.grad differs from one process's by {err:.1e}."
+                problem = (f"{case}, step {step}: {name}.grad differs from one process's by {err:.1e}"
+                           + (f" (with {accum_steps} accumulated micro-batches, while one micro-batch per step "
+                              "matched: the shard's .grad must be the sum over the micro-batches)" if
+                              accum_steps > 1 else "") + ".")
             break
         problem = _agree(problem)
         if problem:
@@ -265,6 +318,7 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
         ref_opt.step()
         full = model.full_state_dict()
         for name, p in ref.named_parameters(remove_duplicate=False):
+            name = original_name(ref, name)            # the names of the model as written (no checkpointing wrapper)
             if name not in full:
                 problem = f"{case}: full_state_dict() has no {name!r}: return every original name, tied ones too."
                 break
@@ -292,6 +346,10 @@ def check_micro_fsdp(make):
             break
     _verdict(problem)
     if rank == 0:
+        from course_utils.fsdp import MicroFSDP
+
         print(f"check_micro_fsdp: the full parameters equal one process's within 1e-6 after every step, on "
               f"{dist.get_world_size()} ranks (SGD, AdamW, 2 accumulated micro-batches; uneven sizes, a frozen bias, "
-              "tied weights); freed after forward; gradients reduce-scattered.")
+              "tied weights); freed after forward; gradients reduce-scattered."
+              + (" That was the course's solution (course_utils.fsdp.MicroFSDP, USE_SOLUTION = True): set "
+                 "USE_SOLUTION = False to check yours." if make is MicroFSDP else ""))
