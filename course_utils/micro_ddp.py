@@ -19,9 +19,11 @@ parameters all take part in every synced backward:
    when ``loss.backward()`` returns, every ``.grad`` holds the average over the ranks;
 5. ``no_sync()`` skips all of it: gradients accumulate locally until the next synced backward.
 
-What it does NOT do: torch's DDP (``broadcast_buffers=True``, its default) also broadcasts rank 0's
-buffers before every forward (``_sync_buffers`` in ``_pre_forward``), so running statistics such as
-BatchNorm's stay equal across ranks during training. MicroDDP broadcasts buffers only at
+What it does NOT do: torch's DDP also broadcasts rank 0's buffers before every forward (``_sync_buffers``
+in ``_pre_forward``), so running statistics such as BatchNorm's stay equal across ranks during training.
+In torch 2.13 that is ``forward_sync_buffers`` (``None``, its default, means on); the older
+``broadcast_buffers`` now defaults to ``None`` and is deprecated in its favour (unlike
+``broadcast_buffers=False``, ``forward_sync_buffers=False`` still syncs the buffers once at construction). MicroDDP broadcasts buffers only at
 construction: with buffers that the forward updates, the ranks' copies drift apart (use
 SyncBatchNorm, or broadcast ``module.buffers()`` from rank 0 yourself before each forward).
 

@@ -170,6 +170,37 @@ class _Tied(nn.Module):
         return self.out(torch.relu(self.mid2(torch.relu(self.mid(torch.relu(self.enc(x)))))))
 
 
+class _ByRank(nn.Module):
+    """Two same-shaped branches whose forward order depends on the rank, so backward produces their gradients
+    in a rank-dependent order (autograd runs the node created last first). A wrapper that launches each bucket
+    as soon as it is full, instead of strictly in bucket order, then pairs rank 0's ``a`` with rank 1's ``b``
+    in the same all-reduce: same shapes, no error, wrong sums."""
+
+    def __init__(self, d_in=16, d=32):
+        super().__init__()
+        self.enc, self.a, self.b, self.out = nn.Linear(d_in, d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x))
+        if dist.get_rank() % 2 == 0:
+            ya, yb = self.a(h), self.b(h)
+        else:
+            yb, ya = self.b(h), self.a(h)
+        return self.out(torch.relu(ya) + torch.tanh(yb))  # two functions: the branches' gradients differ
+
+
+class _Skippable(nn.Module):
+    """``extra`` takes part in the forward unless ``skip=True``: a backward in which its hooks never fire."""
+
+    def __init__(self, d_in=16, d=32):
+        super().__init__()
+        self.enc, self.extra, self.out = nn.Linear(d_in, d), nn.Linear(d, d), nn.Linear(d, 1)
+
+    def forward(self, x, skip=False):
+        h = torch.relu(self.enc(x))
+        return self.out(h if skip else h + torch.relu(self.extra(h)))
+
+
 def _make(kind, seed):
     """The models check_micro_ddp trains: the same weights for the same seed."""
     from course_utils.models import Reordered, make_model
@@ -181,6 +212,10 @@ def _make(kind, seed):
         return Reordered(d_in=16, d_hidden=32, n_blocks=2).to(_device())
     if kind == "tied":
         return _Tied().to(_device())
+    if kind == "by_rank":
+        return _ByRank().to(_device())
+    if kind == "skippable":
+        return _Skippable().to(_device())
     if kind == "frozen":
         model = make_model(seed=seed).to(_device())
         model.net[0].bias.requires_grad_(False)
@@ -308,6 +343,8 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
     if overlap:
         hint = ("" if kind == "mlp" else " Here backward produces the gradients in another order than reverse "
                 "registration: after the first backward, rebuild the buckets in the order the hooks fired.")
+        if kind == "by_rank":
+            hint = ""
         to_come = 1 if kind == "mlp" else len(trainable) // 2  # reordered: bucket 0 must not wait for embed
         return _agree(_overlap_problem(case, watched, len(trainable), hint, to_come))
     return None
@@ -323,7 +360,8 @@ def _grad_problem(case, step, theirs, torch_ddp, local, ws):
         if p.grad is None:
             return f"{case}, step {step}: {name}.grad is None after backward."
         if not torch.allclose(p.grad, q.grad, rtol=0, atol=TOL):
-            return f"{case}, step {step}: " + _diagnose(name, p.grad, q.grad, l.grad, ws)
+            hint = _BY_RANK_HINT if "on each rank" in case else ""
+            return f"{case}, step {step}: " + _diagnose(name, p.grad, q.grad, l.grad, ws) + hint
     return None
 
 
@@ -332,7 +370,49 @@ CASES = [("25 MiB buckets", 25, 1, "mlp", False),
          ("no_sync accumulation over 3 micro-batches", 1e-9, 3, "mlp", False),
          ("a model whose forward uses its layers in another order than registered", 1e-9, 1, "reordered", False),
          ("a model with a tied (shared) weight", 1e-9, 1, "tied", False),
-         ("a model with a frozen parameter", 1e-9, 1, "frozen", False)]
+         ("a model with a frozen parameter", 1e-9, 1, "frozen", False),
+         ("a model whose backward produces its gradients in another order on each rank", 1e-9, 1, "by_rank",
+          False)]
+_BY_RANK_HINT = (" Here backward produces the gradients of two same-shaped layers in another order on each rank: "
+                 "launch the buckets strictly in bucket order (bucket i only once buckets 0..i-1 are launched), so "
+                 "that every rank's n-th all-reduce is the same bucket; launched in ready order, rank 0's a is "
+                 "summed with rank 1's b.")
+
+
+def _stale_work_problem(make):
+    """A synced backward in which one parameter gets no gradient must raise (as the reference and torch DDP do),
+    not finish with the previous backward's all-reduce results. None when it does."""
+    case = "a backward in which one layer takes no part"
+    rank = dist.get_rank()
+    try:
+        theirs = make(_make("skippable", seed=7 if rank == 0 else 50 + rank), 1e-9)
+    except Exception as exc:  # noqa: BLE001
+        return f"{case}: " + _raised("constructing your wrapper", exc)
+    from course_utils.data import make_regression
+
+    x, y = (t.to(_device()) for t in make_regression(n=32, seed=5))
+    xb, yb = x[16 * (rank % 2):16 * (rank % 2) + 16], y[16 * (rank % 2):16 * (rank % 2) + 16]
+    try:
+        torch.nn.functional.mse_loss(theirs(xb), yb).backward()      # every layer: each bucket launched once
+    except Exception as exc:  # noqa: BLE001
+        return f"{case}, the normal backward before it: " + _raised("a forward/backward through your wrapper", exc)
+    before = {n: p.grad.clone() for n, p in theirs.module.named_parameters()}
+    theirs.zero_grad(set_to_none=False)                                # zeros, so a stale copy shows
+    try:
+        torch.nn.functional.mse_loss(theirs(xb, skip=True), yb).backward()
+    except Exception:  # noqa: BLE001 -- raising is right: the bucket of `extra` was never reduced
+        return None
+    # the skipped forward changes every other gradient, so a .grad equal to the previous backward's is a stale copy
+    stale = [n for n, p in theirs.module.named_parameters()
+             if p.grad is not None and p.grad.abs().sum() > 0 and torch.equal(p.grad, before[n])]
+    if not stale:
+        return None  # no error, and nothing stale (e.g. one all-reduce per gradient that fired): acceptable
+    return (f"{case}: `extra` got no gradient in this synced backward, so its bucket (and, launched in order, every "
+            "bucket after it) never started an all-reduce; yet backward returned without an error and "
+            f"{', '.join(stale)} still hold the previous backward's average: finish() waited on a .work left "
+            "over from the previous backward and copied its stale result. In "
+            "finish, wait only for the buckets launched in this backward, and raise an error naming the "
+            "parameters whose bucket was never launched (as the reference MicroDDP and torch DDP do).")
 
 
 def check_micro_ddp(make, rebuild=False):
@@ -342,12 +422,14 @@ def check_micro_ddp(make, rebuild=False):
     order than registered, a tied weight, and a frozen parameter. ``rebuild=True`` also requires overlap on
     the model used out of registration order, from its third step: buckets rebuilt in grad-ready order."""
     cases = [c[:4] + (c[4] or (rebuild and c[3] == "reordered"),) for c in CASES]
-    problem = _first_problem([lambda c=c: _compare(make, c[0], c[1], c[2], kind=c[3], overlap=c[4]) for c in cases])
+    checks = [lambda c=c: _compare(make, c[0], c[1], c[2], kind=c[3], overlap=c[4]) for c in cases]
+    problem = _first_problem(checks + [lambda: _agree(_stale_work_problem(make))])
     _verdict(problem)
     if dist.get_rank() == 0:
         print(f"check_micro_ddp: matches torch DDP within {TOL:g} on {len(CASES)} cases (default buckets; one bucket "
               "per parameter, overlapping backward; no_sync accumulation; layers used out of registration order"
-              f"{', overlapping after the rebuild' if rebuild else ''}; a tied weight; a frozen parameter).")
+              f"{', overlapping after the rebuild' if rebuild else ''}; a tied weight; a frozen parameter; a backward "
+              "order that differs by rank), and raises when a layer takes no part in a synced backward.")
 
 
 # -- exercise: a compressor -----------------------------------------------------------------------
