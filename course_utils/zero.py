@@ -125,6 +125,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     steps it sat out. Frozen parameters (``requires_grad=False``) are not in the flat buffer at all. ZeRO-2
     assumes, like DDP without ``find_unused_parameters``, that the same parameters get gradients on every rank.
 
+    **Mixed precision.** The flat buffer has one dtype, the parameters': an fp32 model under ``torch.autocast``
+    (bf16 or fp16 compute) keeps fp32 parameters, gradients and optimizer state. ``torch.amp.GradScaler`` works
+    with ZeRO-1 (after DDP every rank holds the whole averaged ``.grad``, so every rank unscales and checks the
+    same numbers) and is refused with ZeRO-2 (``RuntimeError`` at ``scaler.step``: the ``.grad`` it would read
+    were freed into the shards during backward, and an overflow seen by one rank's shard alone would desynchronise
+    the ranks). The ZeRO paper's 2 + 2 + 12 layout (16-bit parameters and gradients, an fp32 master shard) is not
+    implemented here: 12_zero_fsdp predicts it with ``zero_table(W, mixed_precision=True)``.
+
     **Checkpoints.** ``state_dict()`` is this rank's shard, tagged with rank, world size and layout;
     ``load_state_dict`` refuses a shard saved by another rank or world size, and says what to do. For one
     file (save on rank 0, load on every rank, lesson 11's habit): ``full = optimizer.consolidate_state_dict(to=0)``
@@ -218,6 +226,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self._built = True
 
+    # torch.amp.GradScaler: ZeRO-1 needs nothing (after DDP every rank holds the whole averaged .grad, so the scaler
+    # unscales and checks the same numbers on every rank). ZeRO-2 frees the .grad it would read: declaring that
+    # step() handles scaling itself makes scaler.step(optimizer) reach step(), which refuses it in words.
+    @property
+    def _step_supports_amp_scaling(self):
+        return bool(getattr(self, "reduce_scatter", False))
+
     # torch.optim.Optimizer keeps its state in self.state; ours is the inner optimizer's (this rank's shard)
     @property
     def state(self):
@@ -297,6 +312,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         ZeRO-1: ``p.grad`` already holds the average (DDP); ZeRO-2: backward's reduce-scatters left it in
         the shards' ``.grad``."""
+        if self.reduce_scatter and (getattr(self, "grad_scale", None) is not None or hasattr(self, "found_inf")):
+            raise RuntimeError(
+                "ShardedOptimizer(reduce_scatter=True) cannot be stepped by torch.amp.GradScaler: ZeRO-2 frees every "
+                "parameter's .grad into this rank's shard during backward, so the scaler finds no gradient to unscale "
+                "or to check for inf/NaN, and a rank whose shard overflowed would skip a step the others take (they "
+                "would wait forever in the all-gather). Use bf16 autocast without a scaler (bf16 has fp32's range), "
+                "or ZeRO-1 (DDP + ShardedOptimizer), where every rank holds the whole averaged gradient and "
+                "GradScaler works as usual.")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -425,3 +425,54 @@ def test_zero2_bucketed_reduce_scatter_lowers_the_peak_not_just_the_snapshot(clu
     # the after-step snapshot hides the difference the peak shows: both ZeRO-2 runs end with the same state,
     # up to AdamW's 4-byte step counter per bucket
     assert 0 <= r["zero2_buckets"]["after"] - r["zero2"]["after"] <= 4 * 16, r
+
+
+# -- torch.amp.GradScaler ----------------------------------------------------------------------------------
+def _grad_scaler():
+    """fp16 autocast + GradScaler: ZeRO-1 follows DDP + AdamW under the same scaler (an overflow included: the
+    first scale, 2**24, overflows fp16 and every rank skips that step alike); ZeRO-2 is refused in words."""
+    import torch
+    import torch.nn.functional as F
+
+    from course_utils.zero import ShardedOptimizer
+
+    out = {}
+    for zero2 in (False, True):
+        ref, model = _ddp_pair(zero2)
+        runs = {}
+        for name, m, opt in (("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)),
+                             ("zero", model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                                                              reduce_scatter=zero2))):
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+            gen = torch.Generator().manual_seed(7)
+            history, scales = [], []
+            try:
+                for _ in range(12):
+                    opt.zero_grad()
+                    x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 1, generator=gen)
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = F.mse_loss(m(x).float(), y)
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    scales.append(scaler.get_scale())
+                    history.append(torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()]))
+            except RuntimeError as exc:
+                runs[name] = str(exc)
+                continue
+            runs[name] = (history, scales)
+        out[zero2] = runs
+    return out
+
+
+def test_grad_scaler_works_with_zero1_and_is_refused_clearly_by_zero2(cluster):
+    import torch
+
+    r = cluster.run(_grad_scaler)[0]
+    (ref_hist, ref_scales), (z1_hist, z1_scales) = r[False]["ref"], r[False]["zero"]
+    assert z1_scales == ref_scales and ref_scales[0] < 2.0 ** 24, "the same overflow skipped on every rank"
+    assert _worst(ref_hist, z1_hist) < 1e-6, "ZeRO-1 under GradScaler follows DDP + AdamW"
+    assert not torch.equal(ref_hist[0], ref_hist[-1]), "later steps were taken"
+    message = r[True]["zero"]
+    assert isinstance(message, str) and "cannot be stepped by torch.amp.GradScaler" in message, message
+    assert "bf16 autocast without a scaler" in message and "ZeRO-1" in message, message
