@@ -87,6 +87,15 @@ def time_other_world_size(world_size):
         return time.perf_counter() - t0
 
 
+def header(start, started):
+    """The table's first line. The cores this process may use: os.sched_getaffinity where the system has it
+    (Linux), else the core count (macOS), as the engine counts them."""
+    from course_utils.engine.launcher import _cpu_count
+
+    return (f"launch overhead on {_cpu_count()} cores, torch {torch.__version__}, gloo, "
+            f"4 ranks; ranks from: {start} (used: {started})")
+
+
 def main():
     from course_utils.engine import _forkstart
 
@@ -103,8 +112,7 @@ def main():
     other = time_other_world_size(3)
     spawn = time_mp_spawn(4)
     started = "fork server" if _forkstart._state["ctx"] is not None else "fresh interpreters"
-    print(f"launch overhead on {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, gloo, "
-          f"4 ranks; ranks from: {start} (used: {started})")
+    print(header(start, started))
     rows = [("first Cluster(4) of the process, to its first all_reduce", first),
             ("start after a crash: failing cell to the next good result", crash),
             ("start at another world size: new Cluster(3) to its first all_reduce", other),

@@ -30,6 +30,6 @@ def load_ipython_extension(ipython):
 
 
 def unload_ipython_extension(ipython):
-    from course_utils.engine.magic import shutdown_cluster
+    from course_utils.engine.magic import unload
 
-    shutdown_cluster()
+    unload()  # the clusters and the fork server: %load_ext course_utils starts a new server

@@ -3,7 +3,10 @@
 A rank kept every process group it ever made (against torch 2.13's deadlock in ~ProcessGroupGloo), so
 each ``new_group``/``destroy`` pair and each recovery leaked 4-5 fds and 3 threads until the fds ran out.
 """
+import os
+import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -98,3 +101,151 @@ def test_a_shutdown_runs_the_atexit_handlers_and_flushes_open_files(tmp_path):
     for r in (0, 1):
         assert (tmp_path / f"open{r}.txt").read_text() == "written", "the open file was not flushed"
         assert (tmp_path / f"atexit{r}.txt").read_text() == "ran", "the atexit handler did not run"
+
+
+def test_a_rank_that_dies_between_calls_is_reported_not_replaced_silently(make_cluster):
+    c = make_cluster(2, timeout=60)
+    c.run("x = rank\nimport os, threading\nif rank == 1:\n"
+          "    print('going', flush=True)\n    threading.Timer(0.3, os._exit, (9,)).start()")
+    deadline = time.monotonic() + 20
+    while c.alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(DistributedError) as info:
+        c.run("x")
+    text = str(info.value)
+    assert text.startswith("rank 1 died: it exited with code 9") and "died between calls" in text, text
+    assert c.run("'x' in globals()") == [False, False], "fresh ranks after the report"
+
+
+def test_output_after_a_call_ended_is_shown_with_a_note_and_an_endless_printer_does_not_hold_the_call(
+        make_cluster, capfd, tmp_path):
+    c = make_cluster(2, timeout=60)
+    c.run("import threading, time\nif rank == 0:\n"
+          "    threading.Timer(0.5, print, ('late words',), {'flush': True}).start()")
+    time.sleep(2)
+    c.run("None")
+    out = capfd.readouterr().out
+    assert "note: rank 0 printed this after its previous call had finished" in out and "[rank 0] late words" in out
+    stop = tmp_path / "stop"
+    release = threading.Timer(30, stop.touch)  # the printer stops after 30 s, or when the call has returned
+    release.start()
+    try:
+        c.run(f"import os\ndef printer():\n    while not os.path.exists({str(stop)!r}):\n        print('x' * 200)\n"
+              "if rank == 1:\n    threading.Thread(target=printer, daemon=True).start()\n    time.sleep(0.2)")
+        assert not stop.exists(), "the call waited for the endless printer to stop"
+    finally:
+        release.cancel()
+        stop.touch()
+    c.restart()
+    capfd.readouterr()
+
+
+def test_a_restart_from_another_thread_while_a_call_runs_is_refused_clearly(make_cluster):
+    c = make_cluster(2, timeout=60)
+    errors = []
+
+    def restart_soon():
+        time.sleep(1)
+        try:
+            c.restart()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=restart_soon)
+    t.start()
+    assert c.run("import time\ntime.sleep(3)\nrank") == [0, 1]
+    t.join()
+    assert errors and "busy with a call from another thread" in errors[0], errors
+
+
+def test_killing_ranks_never_signals_a_process_that_reused_a_ranks_pid():
+    """A forked rank is reaped by the fork server as soon as it ends; its pid may then be another process's."""
+    from course_utils.engine import launcher
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        class Ended:  # a rank that ended and was reaped, whose pid now belongs to `other`
+            pid = other.pid
+            returncode = 0
+
+            def poll(self):
+                return 0
+
+            def wait(self, timeout=None):
+                return 0
+
+            def kill(self):
+                raise AssertionError("kill() of an ended rank")
+
+        rk = launcher._Rank(0, Ended(), *[os.open(os.devnull, os.O_RDONLY) for _ in range(4)])
+        launcher._kill([rk])
+        time.sleep(0.2)
+        assert other.poll() is None, "an unrelated process with the dead rank's pid was killed"
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_shutdown_ends_every_cluster_and_unload_then_load_starts_a_new_fork_server():
+    """%ddp shutdown left a checker's clusters running (5 processes of lesson 03); %unload_ext then %load_ext
+    kept the same fork server, whose environment (TORCHDYNAMO_VERBOSE, read when torch._dynamo loads in the
+    server) stayed the one it started with, though the README gave it as the remedy."""
+    from course_utils.engine import _forkstart
+    from engine_helpers import Kernel
+
+    if not _forkstart.wanted():
+        pytest.skip("the ranks start as fresh interpreters here: there is no fork server")
+    k = Kernel()
+    try:
+        def run(code):
+            status, out, _ = k.execute(code)
+            assert status == "ok", (code, out, k.traceback)
+            return out
+
+        run("%load_ext course_utils")
+        first = run("%%ddp -n 2 --backend gloo\nimport os\nos.getppid()")  # a forked rank's parent: the server
+        run("from course_utils import Cluster\nchecker_like = Cluster(2, backend='gloo')")
+        run("%ddp shutdown")
+        assert run("print(checker_like.alive)") == "False\n", "%ddp shutdown left another cluster running"
+        run("import os\nos.environ['TORCHDYNAMO_VERBOSE'] = '1'")
+        run("%unload_ext course_utils")
+        run("%load_ext course_utils")
+        second = run("%%ddp -n 2 --backend gloo\nimport os\nos.getppid()")
+        assert first != second, f"the same fork server after unload and load: {first!r}"
+        assert run("%%ddp\nimport torch._dynamo.config\ntorch._dynamo.config.verbose") == \
+            "[rank 0] True\n[rank 1] True\n", "the new server reads the environment afresh"
+        assert run("print(checker_like.run('rank'))") == "[0, 1]\n", "a stopped cluster starts again when used"
+        run("%ddp shutdown")
+    finally:
+        k.close()
+
+
+def test_the_launch_benchmark_counts_cores_on_a_system_without_sched_getaffinity(monkeypatch):
+    """make bench failed on macOS: benchmarks/launch_overhead.py called os.sched_getaffinity itself."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("launch_overhead", ROOT / "benchmarks" / "launch_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert bench.header("fork server", "fork server").startswith("launch overhead on 8 cores, torch ")
+
+
+def test_multiprocessing_spawn_and_forkserver_contexts_get_functions_and_classes_defined_in_cells(make_cluster):
+    """mp.get_context('spawn').Pool(1).map(sq, [3]) with sq from a cell waited until the timeout: the child
+    found no 'sq' in its __main__. So did DataLoader(..., multiprocessing_context='spawn') with a cell's Dataset."""
+    c = make_cluster(1, timeout=120)
+    c.run("import multiprocessing as mp\nimport torch\n"
+          "def sq(x):\n    return x * x\n"
+          "class Squares(torch.utils.data.Dataset):\n"
+          "    def __len__(self):\n        return 4\n"
+          "    def __getitem__(self, i):\n        return torch.tensor(float(sq(i)))")
+    for method in ("spawn", "forkserver", "fork"):
+        assert c.run(f"with mp.get_context({method!r}).Pool(1) as pool:\n"
+                     "    got = pool.map_async(sq, [3, 4]).get(60)\ngot") == [[9, 16]], method
+    assert c.run("loader = torch.utils.data.DataLoader(Squares(), batch_size=2, num_workers=1,\n"
+                 "                                     multiprocessing_context='spawn')\n"
+                 "[b.tolist() for b in loader]") == [[[0.0, 1.0], [4.0, 9.0]]]

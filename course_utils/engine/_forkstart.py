@@ -136,6 +136,21 @@ def restart(reason):
     return context()
 
 
+def stop():
+    """End the fork server (the extension's unload does, after the clusters are shut down): the next
+    cluster starts a new one, which reads the environment and the installed packages afresh."""
+    from multiprocessing import forkserver
+
+    with _lock:
+        server = forkserver._forkserver
+        try:
+            if getattr(server, "_forkserver_pid", None) is not None:
+                server._stop()  # private, as multiprocessing's own tests use it: closes the pipe, waits
+        except Exception:
+            pass
+        _state.update(ctx=None, failed=None, noted=False, restarted=False)
+
+
 class _Fd:
     """A file descriptor that travels to the forked rank (multiprocessing passes it over a Unix socket)."""
 

@@ -261,6 +261,24 @@ def free_destroyed_groups():
     free.clear()  # ~ProcessGroupGloo runs here, on the main thread, with no work of these groups running
 
 
+def send_cell_code_by_value(main_module):
+    """multiprocessing's spawn and forkserver contexts (Pool, Process, DataLoader(multiprocessing_context=...))
+    pickle a function or class by reference, as __main__.NAME, and the child has no cells to find it in
+    ("Can't get attribute 'sq' on <module '__main__' (built-in)>", and the Pool waits for good). On a rank,
+    what the cells define in __main__ goes by value (cloudpickle), as the notebook sends it to the ranks;
+    anything else (tensors, modules' functions) is pickled as multiprocessing always does."""
+    import cloudpickle
+    from multiprocessing import reduction
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (types.FunctionType, type)) and getattr(obj, "__module__", None) == "__main__" \
+                and sys.modules.get("__main__") is main_module:
+            return cloudpickle.loads, (cloudpickle.dumps(obj),)
+        return NotImplemented
+
+    reduction.ForkingPickler.reducer_override = reducer_override
+
+
 class Worker:
     def __init__(self):
         env = os.environ
@@ -585,6 +603,7 @@ class Worker:
         import torch.distributed.nn  # noqa: F401  before the group exists (see _forkstart.PRELOAD)
 
         keep_every_group_alive()
+        send_cell_code_by_value(self.main_module)
         dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG set after the server started
         torch.seed()  # a seed from the OS, as a fresh interpreter draws one
         numpy = sys.modules.get("numpy")

@@ -37,6 +37,7 @@ START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
 PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
 POLL_S = 0.1           # how often the loop asks the OS whether a rank exited
 DRAIN_S = 2.0          # how long the output of a dead rank is still read (a child it forked may hold the pipe)
+DONE_DRAIN_S = 1.0     # how long the pipes of a rank that said "done" are read (a background thread may never stop)
 
 
 class CellSyntaxError(ValueError):
@@ -139,11 +140,13 @@ class _Rank:
         self.feed_stream(self.streams[fd], data)
         return True
 
-    def drain_streams(self):
-        """Read the stream pipes until they are empty. Called once the rank said it is done: whatever it
-        wrote before that (it flushes first) is in the pipes now, so no end mark is needed."""
+    def drain_streams(self, seconds=DONE_DRAIN_S):
+        """Read the stream pipes until they are empty, for at most ``seconds`` (a background thread of the
+        rank may print without end). Called once the rank said it is done: whatever it wrote before that
+        (it flushes first) is in the pipes now, so no end mark is needed."""
+        deadline = time.monotonic() + seconds
         for fd in self.streams:
-            while fd not in self.closed and self.read_stream(fd):
+            while fd not in self.closed and self.read_stream(fd) and time.monotonic() < deadline:
                 pass
 
     def _add_line(self, name, raw):
@@ -254,16 +257,40 @@ def _spawn(world_size, backend, pg_timeout, group=True):
     return ranks
 
 
+def _kill_group(proc):
+    """SIGKILL a rank's process group (the rank leads it: what it started goes too), never another process.
+
+    Once a rank has ended and been reaped (by this process's poll(), or at once by the fork server), its
+    pid is free for reuse, unless processes of its group (children it started) still hold it as their
+    group id. So the group is signalled while the rank has not been seen to end; afterwards only if no
+    process has that pid (it was not reused) and the group still has members (the rank's leftovers)."""
+    pid = proc.pid
+    if proc.poll() is not None:
+        try:
+            os.kill(pid, 0)
+            return  # a process has this pid again: not ours
+        except ProcessLookupError:
+            pass
+        except OSError:
+            return  # it exists (another user's): not ours
+        try:
+            os.killpg(pid, 0)
+        except OSError:
+            return  # no process is left in the group: nothing to do
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (OSError, AttributeError):
+        if proc.poll() is None:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+
+
 def _kill(ranks):
     """Kill the ranks and whatever they started (each rank leads its own process group)."""
     for rk in ranks:
-        try:
-            os.killpg(rk.proc.pid, signal.SIGKILL)
-        except (OSError, AttributeError):
-            try:
-                rk.proc.kill()
-            except OSError:
-                pass
+        _kill_group(rk.proc)
     for rk in ranks:
         try:
             rk.proc.wait(timeout=5)
@@ -288,6 +315,14 @@ def _shutdown(ranks):
 
 
 _SERIALS = itertools.count(1)
+_LIVE = weakref.WeakSet()  # every Cluster of this process that has ranks, for shutdown_all()
+
+
+def shutdown_all():
+    """Stop the ranks of every cluster of this process (%ddp shutdown): the %%ddp ranks, a checker's, a
+    Cluster made in a cell. A cluster stopped so starts fresh ranks when it is used again."""
+    for cluster in list(_LIVE):
+        cluster.shutdown()
 
 
 class Cluster:
@@ -329,7 +364,20 @@ class Cluster:
         self.pids = []
         self.started_at = None
         self.restarts = 0
+        self._lock = threading.RLock()  # one call at a time: see _exclusive
         self._start()
+
+    @contextlib.contextmanager
+    def _exclusive(self, what):
+        """One call at a time on a cluster: a second thread's call (a restart() while a cell runs) is
+        refused with a clear error instead of breaking the running call's pipes."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"{what}: this cluster is busy with a call from another thread. Wait for that "
+                               "call to return (one call at a time per cluster), or use a Cluster of its own.")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     @staticmethod
     def _check_timeout(timeout):
@@ -348,6 +396,7 @@ class Cluster:
         self._ranks = _spawn(self.world_size, self.backend, self._pg_timeout, self._group)
         self._generation = 0
         self._finalizer = weakref.finalize(self, _kill, list(self._ranks))
+        _LIVE.add(self)
         self.started_at = time.time()
         ready, errors = {}, {}
         try:
@@ -378,7 +427,8 @@ class Cluster:
 
     def restart(self):
         """Replace every rank with a fresh one: all names defined on the ranks are gone."""
-        self._replace()
+        with self._exclusive("restart()"):
+            self._replace()
 
     def _replace(self, start=True):
         for rk in self._ranks:  # keep what the old ranks printed for this cell's output
@@ -391,11 +441,13 @@ class Cluster:
 
     def shutdown(self):
         """Stop every rank. Safe to call twice."""
-        if self._ranks:
-            self._forget_selector()
-            self._finalizer.detach()
-            _shutdown(self._ranks)
-            self._ranks = []
+        with self._exclusive("shutdown()"):
+            _LIVE.discard(self)
+            if self._ranks:
+                self._forget_selector()
+                self._finalizer.detach()
+                _shutdown(self._ranks)
+                self._ranks = []
 
     @property
     def alive(self):
@@ -603,10 +655,44 @@ class Cluster:
     def _request(self, make, timeout, live=None, only_rank=None):
         __tracebackhide__ = True
         timeout = self.timeout if timeout is None else self._check_timeout(timeout)
+        with self._exclusive("a call"):
+            return self._request_exclusive(make, timeout, live, only_rank)
+
+    def _died_between_calls(self):
+        """A rank that died while no call ran (a background thread's os._exit, the OOM killer) is reported
+        as a death during a call is: its exit code and last output; the ranks are replaced, the call not run."""
+        dead = [rk for rk in self._ranks if rk.proc.poll() is not None]
+        for rk in dead:
+            self._mark_dead(rk)  # reads what it printed last
+        codes = {rk.rank: rk.proc.returncode for rk in dead}
+        self._show(None)
+        self._replace(start=self._group)
+        return dead_error(codes, "It died between calls: this call did not run. The ranks were replaced with "
+                                 "fresh ones; names you defined on them are gone.")
+
+    def _late_output(self):
+        """What a rank printed after its last call had finished (a background thread, a child process):
+        shown now, under a note, rather than as the output of the call that starts."""
+        for rk in self._ranks:
+            rk.drain_streams(0.2)
+            rk.flush_partial()
+            lines = rk.take_lines()
+            for name in ("stdout", "stderr"):
+                if lines[name]:
+                    stream = getattr(sys, name)
+                    stream.write(f"note: rank {rk.rank} printed this after its previous call had finished "
+                                 "(a background thread or a child process):\n")
+                    stream.write("".join(f"[rank {rk.rank}] {line}\n" for line in hide_cpp_frames(lines[name])))
+                    stream.flush()
+
+    def _request_exclusive(self, make, timeout, live, only_rank):
+        __tracebackhide__ = True
         if not self._ranks:
             self._start()
         elif not self.alive:
-            self.restart()
+            raise self._died_between_calls()
+        else:
+            self._late_output()
         with self._sigint_deferred():
             if self._group and self._pg_timeout < self._pg_timeout_for(timeout):  # a long --timeout: the
                 if not self._rebuild_group(self._pg_timeout_for(timeout)):    # backend must not give up first

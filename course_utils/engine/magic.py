@@ -35,6 +35,22 @@ def shutdown_cluster():
         _CLUSTER = None
 
 
+def shutdown_everything():
+    """%ddp shutdown: the %%ddp ranks and every other cluster of this kernel (a checker's, a Cluster made in
+    a cell: those start fresh ranks when used again)."""
+    shutdown_cluster()
+    launcher.shutdown_all()
+
+
+def unload():
+    """%unload_ext course_utils: every cluster stops, then the fork server, so that %load_ext course_utils
+    starts a new one (one that sees environment variables set since, e.g. TORCHDYNAMO_VERBOSE)."""
+    from course_utils.engine import _forkstart
+
+    shutdown_everything()
+    _forkstart.stop()
+
+
 class RankValues(list):
     """Rank-ordered values that display as ``[rank N] value`` lines."""
 
@@ -221,7 +237,7 @@ class DDPMagics(Magics):
             print(f"restarted {_CLUSTER.world_size} {_CLUSTER.backend} ranks")
             return None
         if cmd == "shutdown":
-            shutdown_cluster()
+            shutdown_everything()
             return None
         if cmd == "status":
             return self._status()
