@@ -23,9 +23,9 @@ What it does NOT do: torch's DDP also broadcasts rank 0's buffers before every f
 in ``_pre_forward``), so running statistics such as BatchNorm's stay equal across ranks during training.
 In torch 2.13 that is ``forward_sync_buffers`` (``None``, its default, means on); the older
 ``broadcast_buffers`` now defaults to ``None`` and is deprecated in its favour (unlike
-``broadcast_buffers=False``, ``forward_sync_buffers=False`` still syncs the buffers once at construction). MicroDDP broadcasts buffers only at
-construction: with buffers that the forward updates, the ranks' copies drift apart (use
-SyncBatchNorm, or broadcast ``module.buffers()`` from rank 0 yourself before each forward).
+``broadcast_buffers=False``, ``forward_sync_buffers=False`` still syncs the buffers once at construction).
+MicroDDP broadcasts buffers only at construction: with buffers that the forward updates, the ranks' copies
+drift apart (use SyncBatchNorm, or broadcast ``module.buffers()`` from rank 0 yourself before each forward).
 
 Wrapping the same module again hands it to the new wrapper: the old wrapper's hooks are removed
 (else every gradient would be all-reduced twice) and the old wrapper refuses to run.

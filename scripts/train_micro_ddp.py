@@ -22,12 +22,16 @@ SLURM, 2 nodes with one torchrun per node (sbatch --nodes=2 --ntasks-per-node=1 
 Checkpoint every 50 steps; after a crash, the same line plus --resume continues where it stopped:
     torchrun --standalone --nproc-per-node=4 scripts/train_micro_ddp.py --steps 200 --compressor powersgd \\
         --checkpoint ckpt.pt --save-every 50 --resume
-  The checkpoint holds the weights, AdamW's moments, the step, MicroDDP's rebuilt bucket order and,
+  The checkpoint holds the weights, AdamW's moments, the step, MicroDDP's rebuilt bucket order, the
+  options a resume must repeat (bucket cap, batch sizes, lr, seed, compressor and its warm-up, bf16: a
+  --resume with other values is refused, since it would silently change the bucket layout or the data) and,
   with PowerSGD, every rank's error feedback and Q: on the CPU with gloo the resumed run is the
   uninterrupted one to the last bit (on GPUs to float rounding: NCCL and some CUDA kernels are not
   bit-deterministic). Without the bucket order a run of more than 2 ranks would differ in the last
   bits: the layout fixes the order in which the ring adds each element. PowerSGD's state is per
   rank, so it resumes only at the world size that saved it; the other compressors resume at any.
+  --compressor powersgd sends plain all-reduces for each gradient's first --powersgd-warmup reductions
+  (default 2, as torch's start_powerSGD_iter > 1 requires); --powersgd-warmup 0 compresses from step 0.
 
 Rank 0 prints ``final_loss=<value>`` at the end: the loss of the last step, averaged over the
 global batch. On gloo/CPU it depends only on the options and the world size, never on how the
@@ -46,7 +50,7 @@ import torch.distributed.nn  # noqa: F401  before init_process_group: see the co
 import torch.nn.functional as F
 
 from course_utils.gpt import CharTokenizer, get_batch, load_checkpoint, load_corpus, make_gpt, save_checkpoint
-from course_utils.micro_ddp import MicroDDP
+from course_utils.micro_ddp import MicroDDP, PowerSGD
 
 
 def parse_args():
@@ -57,13 +61,42 @@ def parse_args():
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on GPUs and CPUs with AMX/AVX512-BF16)")
     p.add_argument("--compressor", default=None, choices=[None, "fp16", "bf16", "powersgd"])
-    p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--powersgd-warmup", type=int, default=2,
+                   help="with --compressor powersgd: plain all-reduces for each gradient's first N reductions "
+                        "(torch's start_powerSGD_iter must be > 1: compressing the first, large gradients costs "
+                        "accuracy); 0 compresses from the first step")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--checkpoint", default=None, help="checkpoint file: written by rank 0, atomically")
     p.add_argument("--save-every", type=int, default=0, help="save the checkpoint every N steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.powersgd_warmup < 0:
+        p.error(f"--powersgd-warmup {args.powersgd_warmup}: give 0 (compress from the first step) or more")
+    return args
+
+
+# What a checkpoint records of the run that saved it, and a resumed run must repeat: the bucket layout and
+# PowerSGD's state depend on bucket_cap_mb and the compressor, the data order on the batch sizes and the seed,
+# AdamW's moments on the learning rate. (The world size may change, except with PowerSGD: checked below.)
+RESUME_OPTIONS = ("bucket_cap_mb", "global_batch_size", "micro_batch_size", "lr", "seed", "compressor",
+                  "powersgd_warmup", "bf16")
+
+
+def run_options(args):
+    return {name: getattr(args, name) for name in RESUME_OPTIONS}
+
+
+def resume_mismatch(saved, args):
+    """Why ``args`` cannot resume a checkpoint that recorded ``saved`` (``run_options`` of its run), or None."""
+    if saved is None:
+        return ("it records no options (it was written by an older version of this script), so a resume could "
+                "silently change them")
+    now = run_options(args)
+    changed = [f"--{name.replace('_', '-')} {saved.get(name)!r} there, {now[name]!r} here" for name in RESUME_OPTIONS
+               if saved.get(name) != now[name]]
+    return "its run used other options: " + "; ".join(changed) if changed else None
 
 
 def to_device(state, device):
@@ -129,12 +162,18 @@ def main():
     text = load_corpus()
     tokenizer = CharTokenizer(text)
     data = tokenizer.encode(text)
+    compressor = (PowerSGD(rank=2, warmup_steps=args.powersgd_warmup) if args.compressor == "powersgd"
+                  else args.compressor)
     model = MicroDDP(make_gpt(tokenizer.vocab_size, seed=args.seed).to(device),
-                     bucket_cap_mb=args.bucket_cap_mb, compressor=args.compressor)
+                     bucket_cap_mb=args.bucket_cap_mb, compressor=compressor)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start = 0
     if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
         state = load_checkpoint(args.checkpoint)
+        mismatch = resume_mismatch(state.get("options"), args)
+        if mismatch:
+            raise SystemExit(f"--resume: {args.checkpoint} cannot be resumed by this run: {mismatch}. Resume with "
+                             "the options it was saved with, or start over with a new --checkpoint.")
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         saved = state.get("compressor")  # PowerSGD's error feedback and Q, one set per rank
@@ -177,7 +216,7 @@ def main():
             print(f"step {done:4d}  loss {loss.item():.4f}", flush=True)
         if args.checkpoint and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
-                     "bucket_order": model.bucket_order()}
+                     "bucket_order": model.bucket_order(), "options": run_options(args)}
             compressor_state = to_device(model.compressor.state_dict(), "cpu")
             if compressor_state:  # PowerSGD's differs from rank to rank (each its own error feedback): gather all
                 state["compressor"] = [None] * world_size

@@ -4,6 +4,7 @@ abort after final_loss); a PowerSGD run whose rank is killed mid-way, resumed fr
 (issues 12 and 25)."""
 import importlib.util
 import os
+import argparse
 import re
 import subprocess
 import sys
@@ -205,7 +206,7 @@ def test_a_powersgd_run_killed_mid_way_resumes_bit_for_bit_and_refuses_another_w
     uninterrupted run's loss and checkpoint, bit for bit: weights, AdamW and every rank's PowerSGD error feedback
     and Q. PowerSGD's state is per rank, so 1 rank may not resume 2 ranks' run."""
     common = ["--compressor", "powersgd", "--global-batch-size", "8", "--micro-batch-size", "4", "--log-every", "1",
-              "--steps", str(CRASH_STEPS)]
+              "--steps", str(CRASH_STEPS), "--powersgd-warmup", "1"]   # compressed from step 2 on
     straight, crashed = tmp_path / "straight.pt", tmp_path / "crashed.pt"
     out, rc = _torchrun2(common + ["--checkpoint", straight], "uninterrupted run")
     assert rc == 0 and "final_loss=" in out, f"uninterrupted run failed (exit {rc}):\n{out[-3000:]}"
@@ -222,6 +223,7 @@ def test_a_powersgd_run_killed_mid_way_resumes_bit_for_bit_and_refuses_another_w
     assert any(not torch.equal(errors[0][k], errors[1][k]) for k in errors[0]), \
         "each rank has its own error feedback (its own gradient): the checkpoint must keep every rank's"
     assert any(e.abs().max() > 0 for e in errors[0].values()), "after 2 steps the error feedback is not zero"
+    assert half["options"]["powersgd_warmup"] == 1 and half["options"]["bucket_cap_mb"] == 25, half["options"]
 
     resume = common + ["--checkpoint", crashed, "--save-every", "2", "--resume"]
     alone = subprocess.run([sys.executable, str(SCRIPT), *map(str, resume)], cwd=ROOT, env=torchrun_env(),
@@ -230,7 +232,33 @@ def test_a_powersgd_run_killed_mid_way_resumes_bit_for_bit_and_refuses_another_w
     assert "holds the powersgd state of 2 ranks, and this run has 1: resume with 2 processes" in alone.stderr, \
         alone.stderr[-2000:]
 
+    # another bucket cap would silently change the bucket layout (and PowerSGD's messages): refused
+    other = subprocess.run([sys.executable, str(SCRIPT), *map(str, resume), "--bucket-cap-mb", "1"], cwd=ROOT,
+                           env=torchrun_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+    assert other.returncode != 0 and "--bucket-cap-mb 25.0 there, 1.0 here" in other.stderr, other.stderr[-2000:]
+
     out, rc = _torchrun2(resume, "resumed run")
     assert rc == 0 and f"resumed from {crashed} at step {half['step']}" in out, f"exit {rc}:\n{out[-3000:]}"
     assert re.search(r"final_loss=(\S+)", out).group(1) == reference, "the resumed run ends on another loss"
     _assert_identical(torch.load(straight, weights_only=True), torch.load(crashed, weights_only=True))
+
+
+def test_a_resume_with_other_options_is_refused_and_says_which():
+    """The checkpoint records the options a resume must repeat; each one changed is named, old checkpoints refused."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_micro_ddp", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = argparse.Namespace(bucket_cap_mb=25.0, global_batch_size=32, micro_batch_size=4, lr=1e-2, seed=0,
+                              compressor="powersgd", powersgd_warmup=2, bf16=False)
+    saved = script.run_options(args)
+    assert script.resume_mismatch(saved, args) is None
+    for name, value, shown in [("bucket_cap_mb", 1.0, "--bucket-cap-mb 25.0 there, 1.0 here"),
+                               ("micro_batch_size", 2, "--micro-batch-size 4 there, 2 here"),
+                               ("global_batch_size", 64, "--global-batch-size 32 there, 64 here"),
+                               ("lr", 3e-3, "--lr 0.01 there, 0.003 here"), ("seed", 1, "--seed 0 there, 1 here"),
+                               ("powersgd_warmup", 0, "--powersgd-warmup 2 there, 0 here")]:
+        changed = argparse.Namespace(**{**vars(args), name: value})
+        assert shown in (script.resume_mismatch(saved, changed) or ""), (name, script.resume_mismatch(saved, changed))
+    assert "records no options" in script.resume_mismatch(None, args)
