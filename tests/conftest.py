@@ -43,6 +43,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository; test modules import it from here
+NOTEBOOKS = ROOT / "notebooks"  # the stored lessons
+LESSONS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))  # every lesson, in order
 sys.path.insert(0, str(ROOT))
 
 
@@ -59,6 +61,15 @@ def in_ci():
 # test-baseline-cpu sets a temporary MICRO_DDP_CACHE itself.
 TEST_CACHE = tempfile.mkdtemp(prefix="micro-ddp-test-cache-")
 os.environ["MICRO_DDP_CACHE"] = TEST_CACHE
+
+# The kernels nbval starts (and engine_helpers.Kernel's, which also gets its own HOME) inherit these: IPython's
+# profile, history and startup files, and Jupyter's config, data (user kernel specs) and runtime (connection
+# files) all live in a temporary folder, never the learner's ~/.ipython or ~/.local/share/jupyter.
+TEST_JUPYTER = tempfile.mkdtemp(prefix="micro-ddp-test-jupyter-")
+for _var, _sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
+                   ("JUPYTER_RUNTIME_DIR", "runtime"), ("MPLCONFIGDIR", "matplotlib")):
+    os.environ[_var] = os.path.join(TEST_JUPYTER, _sub)
+os.environ.pop("JUPYTER_PATH", None)
 
 
 
@@ -98,6 +109,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_unconfigure(config):
     shutil.rmtree(TEST_CACHE, ignore_errors=True)
+    shutil.rmtree(TEST_JUPYTER, ignore_errors=True)
 
 
 # ---- clusters ---------------------------------------------------------------------------------

@@ -3,22 +3,41 @@
 ``Kernel``: a real IPython kernel driven through jupyter_client, as JupyterLab drives it.
 """
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 
 class Kernel:
+    """Isolated as browser_helpers.JupyterLab's server is: its own temporary HOME, IPython directory (profile,
+    history, no startup files of the learner's), Jupyter config, data and runtime folders (the connection file),
+    all removed by close()."""
+
     def __init__(self, like_jupyterlab=False):
         from jupyter_client.manager import KernelManager
 
-        self.km = KernelManager(kernel_name="python3")
-        env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+        self.home = tempfile.mkdtemp(prefix="micro-ddp-kernel-")
+        dirs = {"HOME": self.home, "IPYTHONDIR": os.path.join(self.home, ".ipython"),
+                "JUPYTER_CONFIG_DIR": os.path.join(self.home, "config"),
+                "JUPYTER_DATA_DIR": os.path.join(self.home, "data"),
+                "JUPYTER_RUNTIME_DIR": os.path.join(self.home, "runtime"),
+                "MPLCONFIGDIR": os.environ.get("MPLCONFIGDIR") or os.path.join(self.home, "matplotlib")}
+        os.makedirs(dirs["JUPYTER_RUNTIME_DIR"])
+        self.km = KernelManager(kernel_name="python3",
+                                connection_file=os.path.join(dirs["JUPYTER_RUNTIME_DIR"], "kernel.json"))
+        env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **dirs)
+        env.pop("JUPYTER_PATH", None)
         if like_jupyterlab:  # not under pytest: the engine shows its live status line
             env.pop("PYTEST_CURRENT_TEST", None)
-        self.km.start_kernel(cwd=os.path.dirname(os.path.dirname(__file__)), env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
+        try:
+            self.km.start_kernel(cwd=os.path.dirname(os.path.dirname(__file__)), env=env)
+            self.kc = self.km.client()
+            self.kc.start_channels()
+            self.kc.wait_for_ready(timeout=60)
+        except BaseException:
+            self.close()
+            raise
         self.traceback = ""  # the last error's traceback text, colours removed
 
     def execute(self, code, timeout=180):
@@ -59,6 +78,11 @@ class Kernel:
         return eval(out.strip())
 
     def close(self):
-        self.kc.stop_channels()
-        if self.km.is_alive():
-            self.km.shutdown_kernel(now=True)
+        try:
+            if getattr(self, "kc", None) is not None:
+                self.kc.stop_channels()
+            if self.km.is_alive():
+                self.km.shutdown_kernel(now=True)
+            self.km.cleanup_resources()
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)

@@ -4,23 +4,20 @@ in a stored notebook, run it as the ranks would, and turn a self-check's Asserti
 The ranks cannot import test files, so this module is registered to be pickled by value.
 """
 import contextlib
-from pathlib import Path
 
 import nbformat
 
-from conftest import register_by_value
-
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+from conftest import NOTEBOOKS, register_by_value
 
 
-def notebook_cell(notebook, marker, *, ddp_line=True):
+def notebook_cell(notebook, marker, *, ddp_line=True, solution=True):
     """The source of the one code cell of ``notebooks/<notebook>`` that contains ``marker``, as stored: the one
     place the tests read a cell out of a notebook. ``ddp_line=False``: without its ``%%ddp`` line if it has one,
-    as the ranks run it."""
+    as the ranks run it. ``solution=False``: with ``USE_SOLUTION = True`` switched off (see solution_off)."""
     path = NOTEBOOKS / notebook
     cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code" and marker in c.source]
     assert len(cells) == 1, f"expected one code cell of {path.name} containing {marker!r}, found {len(cells)}"
-    source = cells[0]
+    source = cells[0] if solution else solution_off(cells[0])
     return source.split("\n", 1)[1] if not ddp_line and source.startswith("%%ddp") else source
 
 

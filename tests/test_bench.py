@@ -7,16 +7,14 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import register_by_value
+from conftest import ROOT, register_by_value
 
 from course_utils import bench
 
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test file
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- formulas -----------------------------------------------------------------------------------

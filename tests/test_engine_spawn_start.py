@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from conftest import ROOT
 from test_engine import (  # noqa: F401  (collected here again, with this module's fixtures)
     test_torch_dynamo_is_imported_before_the_first_cell_and_ddp_works,
     test_dead_worker_is_reported_and_replaced,
@@ -37,9 +38,6 @@ from test_engine_faults import (  # noqa: F401  (the review's faults, on this pa
     two,
 )
 from test_portability import test_ranks_end_when_the_notebook_dies_even_if_their_pipes_stay_open  # noqa: F401
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module", autouse=True)
 def start_fresh_interpreters():
@@ -70,7 +68,7 @@ BROKEN_SERVER = textwrap.dedent("""
 
 def test_a_server_that_cannot_start_falls_back_to_fresh_interpreters_with_one_note():
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "COURSE_UTILS_START")}
-    run = subprocess.run([sys.executable, "-c", BROKEN_SERVER.format(root=ROOT)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", BROKEN_SERVER.format(root=str(ROOT))], capture_output=True, text=True,
                          timeout=180, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["['__main__', '__main__']", "['__main__']"]  # run as python -m ..._worker

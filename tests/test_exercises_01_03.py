@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from conftest import register_by_value
-from exercise_helpers import notebook_cell, solution_off
+from exercise_helpers import notebook_cell
 from course_utils.checks import (check_activation_predictions, check_all_reduce, check_all_reduce_in_two_halves,
                                  check_gather_to_rank0, check_optimizer_state_predictions, check_ring_shift,
                                  check_sent_bytes_prediction)
@@ -36,14 +36,9 @@ def clusters(make_cluster, request):
     all_reduce_checks._CLUSTERS.update(saved)
 
 
-def exercise_cell(notebook, marker):
-    """The source of the one code cell of ``notebook`` that contains ``marker``, with ``USE_SOLUTION = False``."""
-    return solution_off(notebook_cell(notebook, marker))
-
-
 def run_scaffold(notebook, marker, namespace):
     """Run the exercise cell unmodified (but with the solution switched off): it must fail its self-check."""
-    source = exercise_cell(notebook, marker)
+    source = notebook_cell(notebook, marker, solution=False)
     with pytest.raises(AssertionError) as info:
         exec(compile(source, f"{notebook}:exercise", "exec"), namespace)
     return str(info.value)
@@ -303,7 +298,7 @@ def test_03_exercise_1_chunked_ring(make_cluster, clusters):
     from course_utils.allreduce import chunked_ring_all_reduce
 
     all_sizes = {n: make_cluster(world_size=n, timeout=30) for n in (2, 3, 4)}
-    source = exercise_cell("03_all_reduce_by_hand.ipynb", "def my_ring_all_reduce(tensor):")
+    source = notebook_cell("03_all_reduce_by_hand.ipynb", "def my_ring_all_reduce(tensor):", solution=False)
     ns = {"dist": dist, "torch": torch, "print": lambda *a: None, "chunked_ring_all_reduce": chunked_ring_all_reduce,
           "check_all_reduce": lambda impl: check_all_reduce(impl, clusters=all_sizes)}
     with pytest.raises(AssertionError) as info:

@@ -6,14 +6,13 @@ answers fail with a reason a learner can act on; the course's solution passes.
 import math
 import re
 import sys
-from pathlib import Path
 
 import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import register_by_value
+from conftest import NOTEBOOKS, register_by_value
 
 from course_utils import DistributedError, bench
 from course_utils.checks import grad_avg
@@ -22,17 +21,9 @@ from exercise_helpers import notebook_cell
 
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-
-
-def _cell_defining(notebook, name):
-    """The source of the notebook's cell that defines ``def name(``."""
-    return notebook_cell(notebook, f"def {name}(")
-
-
 def _scaffold(notebook, name):
     """The notebook's scaffold function ``name``, exactly as stored (its definition, executed here)."""
-    source = _cell_defining(notebook, name)
+    source = notebook_cell(notebook, f"def {name}(")
     definition = re.search(rf"^def {name}\(.*?(?=^\S)", source + "\n#", re.S | re.M).group(0)
     namespace = {"__name__": __name__, "torch": torch, "dist": dist, "F": F}
     exec(compile(definition, f"<{notebook}: {name}>", "exec"), namespace)
@@ -46,7 +37,7 @@ def test_notebooks_keep_the_solution_switch_on_and_the_scaffolds_empty():
         for s in sources:
             assert "solution_" not in s or "if USE_SOLUTION" in s, f"{notebook}: a solution outside the switch:\n{s}"
     for name in ("scale_then_sum", "bucketed", "tokens_in_one_all_reduce", "make_adam"):
-        assert "raise NotImplementedError" in _cell_defining("05_manual_gradient_averaging.ipynb", name), name
+        assert "raise NotImplementedError" in notebook_cell("05_manual_gradient_averaging.ipynb", f"def {name}("), name
 
 
 # == lesson 04: plain functions of the measured numbers ===========================================

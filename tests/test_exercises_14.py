@@ -6,7 +6,6 @@
 import sys
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from conftest import register_by_value
@@ -199,13 +198,3 @@ def test_the_simulator_finds_the_deadlock_without_sending(cluster):
     got = _same_verdict(cluster.run(_check_schedule, first_stage_does_not_wait))
     assert "before anything was sent" in got, got
     assert time.monotonic() - start < 60, "the deadlock must be reported, not waited out"
-
-
-def test_bubble_of_gpipe_is_the_formula():
-    from course_utils.pipeline import bubble_fraction, gpipe_schedule, idle_fraction, simulate
-
-    for p in (2, 3, 4):
-        for m in (1, 2, 5, 8):
-            events = simulate([gpipe_schedule(s, p, m) for s in range(p)])
-            assert abs(idle_fraction(events) - bubble_fraction(p, m)) < 1e-12, (p, m)
-    torch.testing.assert_close(bubble_fraction(4, 8), 3 / 11)

@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, in_ci
+from conftest import LESSONS, ROOT, in_ci
 
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 LESSON_MAP = "../README.md#lesson-map"
 # (notebook, cell id) pairs allowed an NBVAL_IGNORE_OUTPUT / nbval-ignore-output marker: only a cell whose
 # sole output is a timing table the sanitizer (tests/sanitize.cfg) cannot tame. Keep it empty if at all possible.
@@ -49,13 +48,13 @@ def _id(path):
 
 
 def test_lessons_exist_numbered_from_00_without_gaps():
-    assert NOTEBOOKS, "no notebooks/[0-9][0-9]_*.ipynb found: the hygiene tests below would pass vacuously"
-    numbers = [int(p.name[:2]) for p in NOTEBOOKS]
-    assert numbers == list(range(len(NOTEBOOKS))), (
-        f"lesson numbers must run 00, 01, ... without gaps or duplicates; found {[p.name for p in NOTEBOOKS]}")
+    assert LESSONS, "no notebooks/[0-9][0-9]_*.ipynb found: the hygiene tests below would pass vacuously"
+    numbers = [int(p.name[:2]) for p in LESSONS]
+    assert numbers == list(range(len(LESSONS))), (
+        f"lesson numbers must run 00, 01, ... without gaps or duplicates; found {[p.name for p in LESSONS]}")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+@pytest.mark.parametrize("path", LESSONS, ids=_id)
 def test_executed_in_order_from_a_fresh_kernel(path):
     nb = _load(path)
     counts = [(i, c.get("execution_count")) for i, c in _code(nb) if _source(c).strip()]
@@ -70,7 +69,7 @@ def test_executed_in_order_from_a_fresh_kernel(path):
     assert not empty, f"{path.name}: empty code cells {empty} carry a count or outputs from another run"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+@pytest.mark.parametrize("path", LESSONS, ids=_id)
 def test_outputs_are_checkable_by_nbval(path):
     nb = _load(path)
     assert "widgets" not in nb.get("metadata", {}), (
@@ -89,7 +88,7 @@ def test_outputs_are_checkable_by_nbval(path):
                 f"{path.name}: cell {i} stores widget state")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+@pytest.mark.parametrize("path", LESSONS, ids=_id)
 def test_no_cell_escapes_nbval(path):
     nb = _load(path)
     escaped = []
@@ -103,7 +102,7 @@ def test_no_cell_escapes_nbval(path):
         "their unit so tests/sanitize.cfg masks them, or add the cell to IGNORE_OUTPUT_ALLOWED with a reason")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+@pytest.mark.parametrize("path", LESSONS, ids=_id)
 def test_errors_only_in_cells_tagged_raises_exception(path):
     nb = _load(path)
     for i, cell in _code(nb):
@@ -114,7 +113,7 @@ def test_errors_only_in_cells_tagged_raises_exception(path):
         assert errors or not tagged, f"{path.name}: cell {i} is tagged raises-exception but stores no error"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+@pytest.mark.parametrize("path", LESSONS, ids=_id)
 def test_opens_with_title_and_setup_cell(path):
     nb = _load(path)
     first = nb["cells"][0]
@@ -127,15 +126,15 @@ def test_opens_with_title_and_setup_cell(path):
         f"{path.name}: the first code cell (the setup cell) must contain '%load_ext course_utils'")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+@pytest.mark.parametrize("path", LESSONS, ids=_id)
 def test_links_to_previous_next_and_lesson_map(path):
     nb = _load(path)
-    k = NOTEBOOKS.index(path)
+    k = LESSONS.index(path)
     wanted = {LESSON_MAP: "the README's lesson map"}
     if k > 0:
-        wanted[NOTEBOOKS[k - 1].name] = "the previous lesson"
-    if k + 1 < len(NOTEBOOKS):
-        wanted[NOTEBOOKS[k + 1].name] = "the next lesson"
+        wanted[LESSONS[k - 1].name] = "the previous lesson"
+    if k + 1 < len(LESSONS):
+        wanted[LESSONS[k + 1].name] = "the next lesson"
     code = [i for i, _ in _code(nb)]
     first, last = (code[0], code[-1]) if code else (len(nb["cells"]), -1)
     places = {"top (before the setup cell)": nb["cells"][:first],
@@ -155,7 +154,7 @@ def test_readme_has_the_lesson_map():
     text = readme.read_text(encoding="utf-8")
     assert re.search(r"^#+\s+Lesson map\s*$", text, re.M | re.I), (
         "README.md has no 'Lesson map' heading: the lessons' '../README.md#lesson-map' links land nowhere")
-    unlisted = [p.name for p in NOTEBOOKS if f"notebooks/{p.name}" not in text]
+    unlisted = [p.name for p in LESSONS if f"notebooks/{p.name}" not in text]
     assert not unlisted, f"README.md's lesson map does not link these notebooks: {unlisted}"
 
 

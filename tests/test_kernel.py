@@ -52,15 +52,25 @@ def test_magic_runs_on_every_rank_and_shows_rank_prefixed_output(kernel):
     assert out.endswith("[rank 0] 3\n[rank 1] 3\n[rank 2] 3\n"), out
 
 
-def test_stop_button_interrupts_the_cell_and_the_next_cell_works(kernel):
+def test_stop_button_interrupts_the_cell_and_the_next_cell_works(kernel, tmp_path):
     kernel.execute("%load_ext course_utils")
     assert kernel.execute("%%ddp -n 2\nkept = 7")[0] == "ok"
-    started = f"/tmp/course_utils_test_started_{os.getpid()}"
-    msg_id = kernel.kc.execute(f"%%ddp\nimport time\nopen({started!r}, 'w').close()\nwhile True:\n    time.sleep(0.01)")
+    started = tmp_path / "started"
+    msg_id = kernel.kc.execute(f"%%ddp\nimport time\nopen({str(started)!r}, 'w').close()\nwhile True:\n"
+                               "    time.sleep(0.01)")
     deadline = time.monotonic() + 60
-    while not os.path.exists(started) and time.monotonic() < deadline:  # the loop runs on the ranks now
+    while not started.exists() and time.monotonic() < deadline:  # the loop runs on the ranks now
         time.sleep(0.05)
-    os.remove(started)
+    if not started.exists():  # the cell never reached its loop: show what the kernel said instead
+        said = []
+        while True:
+            try:
+                msg = kernel.kc.get_iopub_msg(timeout=1)
+            except Exception:
+                break
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] in ("stream", "error"):
+                said.append(msg["content"].get("text") or "\n".join(msg["content"].get("traceback", [])))
+        pytest.fail("the cell's loop did not start on the ranks within 60 s; the kernel said:\n" + "".join(said))
     t0 = time.monotonic()
     kernel.km.interrupt_kernel()
     ename = None
@@ -77,6 +87,30 @@ def test_stop_button_interrupts_the_cell_and_the_next_cell_works(kernel):
     assert time.monotonic() - t0 < 30, "the stop button must stop the cell within seconds (5 s on a quiet machine)"
     status, out, _ = kernel.execute("%%ddp\nrank, kept")
     assert (status, out) == ("ok", "[rank 0] (0, 7)\n[rank 1] (1, 7)\n"), "the ranks were released: names kept"
+
+
+def test_the_kernel_never_reads_or_writes_the_learners_ipython_or_jupyter_folders(tmp_path, monkeypatch):
+    learner = tmp_path / "learner"  # as if it were the learner's HOME, with a startup file and an IPython folder
+    startup = learner / ".ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-learner.py").write_text("LEARNERS_STARTUP_RAN = True\n")
+    for var, value in (("HOME", learner), ("IPYTHONDIR", learner / ".ipython"),
+                       ("JUPYTER_RUNTIME_DIR", learner / "runtime"), ("JUPYTER_DATA_DIR", learner / "data")):
+        monkeypatch.setenv(var, str(value))
+    before = sorted(p.relative_to(learner) for p in learner.rglob("*"))
+    k = Kernel()
+    try:
+        status, out, _ = k.execute("import os\nip = get_ipython()\n"
+                                   "print('LEARNERS_STARTUP_RAN' in globals(), ip.profile_dir.location.startswith("
+                                   f"{str(learner)!r}), os.path.expanduser('~').startswith({str(learner)!r}))")
+        assert (status, out) == ("ok", "False False False\n"), out
+        assert k.execute("%load_ext course_utils")[0] == "ok"
+        assert k.execute("%%ddp -n 2\nrank")[0] == "ok"
+        home = k.home
+    finally:
+        k.close()
+    assert sorted(p.relative_to(learner) for p in learner.rglob("*")) == before, "the kernel wrote there"
+    assert not os.path.exists(home), "the kernel's own folder (history, connection file) is removed"
 
 
 def _too_few_gpus_for_nccl(ranks=2):

@@ -62,7 +62,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, in_ci
+from conftest import LESSONS, ROOT, in_ci
 
 OLD = "6afd948"  # the notebooks of issue 22, before any lesson was made right for NCCL
 EMPTY = frozenset()
@@ -776,10 +776,9 @@ def _errors(found):
 
 # ---- the course's notebooks ------------------------------------------------------------------------------
 
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
 def test_no_cpu_tensor_or_model_reaches_a_collective_in_a_cell_that_can_run_on_nccl(path):
     found = scan(json.loads(path.read_text(encoding="utf-8")))
     bad = _errors(found)
@@ -938,7 +937,7 @@ def test_the_scan_reads_the_course_utils_of_the_notebooks_own_revision():
 
 
 def _report_current():  # pragma: no cover  (a helper for engineers: python tests/test_nccl_cells.py)
-    for path in NOTEBOOKS:
+    for path in LESSONS:
         for i, ms in _errors(scan(json.loads(path.read_text(encoding="utf-8")))).items():
             for m in ms:
                 print(f"{path.name} {m}")

@@ -28,6 +28,10 @@ def test_gpipe_and_1f1b_have_the_formula_bubble(p, m):
         assert abs(idle_fraction(events) - bubble_fraction(p, m)) < 1e-12, (schedule.__name__, p, m)
 
 
+def test_the_bubble_formula_is_p_minus_1_over_m_plus_p_minus_1():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11) and bubble_fraction(2, 1) == pytest.approx(1 / 2)
+
+
 def _in_flight(actions):
     held = peak = 0
     for kind, _ in actions:

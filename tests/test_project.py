@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, in_ci
+from conftest import LESSONS, NOTEBOOKS, ROOT, in_ci
 
 try:
     import tomllib
@@ -341,8 +341,8 @@ def test_every_lesson_of_the_readme_map_exists():
     linked = re.findall(r"\(notebooks/(\d\d_[a-z0-9_]+\.ipynb)\)", readme)
     assert len(linked) >= 12, f"the lesson map should link all 12 lessons, found {linked}"
     for name in linked:
-        assert (ROOT / "notebooks" / name).exists(), f"README links a missing lesson: {name}"
-    on_disk = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+        assert (NOTEBOOKS / name).exists(), f"README links a missing lesson: {name}"
+    on_disk = sorted(p.name for p in LESSONS)
     assert on_disk == sorted(set(linked)), f"lessons not in the README map: {set(on_disk) - set(linked)}"
 
 

@@ -32,7 +32,8 @@ from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: pu
 BACKENDS = ("auto", "gloo", "nccl")
 ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own
 RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
-DEAD_TOGETHER_S = 0.1  # after a rank dies, how long the report waits for others that die with it
+DEAD_TOGETHER_S = 2.0  # after a rank dies, how long the report waits at most for others that die with it;
+                       # it stops sooner once every live rank is seen blocked twice (see _blocked)
 START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
 PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
 POLL_S = 0.1           # how often the loop asks the OS whether a rank exited
@@ -841,11 +842,13 @@ class Cluster:
         if kind == "dead":
             alive = [rk for rk in self._ranks if not rk.dead]
             deadline = time.monotonic() + DEAD_TOGETHER_S  # ranks that die together are named together
-            while alive and time.monotonic() < deadline:
+            blocked = 0  # a rank on its way out runs (or waits for a core); one asleep or waiting is staying
+            while alive and time.monotonic() < deadline and blocked < 2:
                 for rk in alive:
                     if rk.proc.poll() is not None:
                         self._mark_dead(rk)
                 alive = [rk for rk in alive if not rk.dead]
+                blocked = blocked + 1 if all(_blocked(rk.proc.pid) for rk in alive) else 0
                 time.sleep(0.05)
             dead = [rk for rk in self._ranks if rk.dead and rk.rank not in self._done.get(run_id, {})]
             for rk in dead:
@@ -868,6 +871,19 @@ class Cluster:
         if kind == "timeout":
             return timeout_error(self.world_size, results, stacks, timeout, note, backend=self.backend)
         return rank_error(self.world_size, results, stacks, note)
+
+
+def _blocked(pid):
+    """Every thread of ``pid`` asleep (waiting on a peer, a pipe, a timer) or stopped: none is running or
+    waiting for a core, as a rank that is about to exit is. False where /proc cannot tell."""
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("S", "T", "t", "Z", "X"):
+                    return False
+    except (OSError, IndexError):
+        return False
+    return True
 
 
 def _undecodable_info(error):
