@@ -249,3 +249,21 @@ def test_multiprocessing_spawn_and_forkserver_contexts_get_functions_and_classes
     assert c.run("loader = torch.utils.data.DataLoader(Squares(), batch_size=2, num_workers=1,\n"
                  "                                     multiprocessing_context='spawn')\n"
                  "[b.tolist() for b in loader]") == [[[0.0, 1.0], [4.0, 9.0]]]
+
+
+def test_the_same_checker_verdict_on_every_rank_is_shown_once(make_cluster):
+    """A checker's verdict raised on every rank printed twice (summary and traceback), then a 'rank N: then
+    raised AssertionError' line per rank: one wrong answer read as many failures."""
+    c = make_cluster(2, timeout=60)
+    with pytest.raises(DistributedError) as info:
+        c.run("from course_utils.ddp_probes import check_accumulate\n"
+              "def accumulate(model, batches):\n    raise NotImplementedError('todo')\n"
+              "check_accumulate(accumulate)")
+    text = str(info.value)
+    assert text.startswith("every rank failed the check with AssertionError:"), text
+    assert text.count("accumulate is not written yet") == 1 and "then raised" not in text, text
+    assert "check_accumulate(accumulate)" in text and "ddp_probes.py" not in text, text
+    with pytest.raises(DistributedError) as info:  # a verdict on one rank only is reported as before
+        c.run("from course_utils.checks import verdict_only\n"
+              "def judge():\n    assert rank != 1, 'wrong on rank 1'\nverdict_only(judge)()")
+    assert str(info.value).startswith("rank 1 failed with AssertionError: wrong on rank 1"), str(info.value)

@@ -163,7 +163,9 @@ def _verdict_frames(exc, raw):
 
 
 def _error_info(exc):
-    frames = _user_frames(_verdict_frames(exc, traceback.extract_tb(exc.__traceback__)))
+    raw = traceback.extract_tb(exc.__traceback__)
+    cut = _verdict_frames(exc, raw)
+    frames = _user_frames(cut)
     tb = "".join(traceback.format_list(frames))
     tb += "".join(traceback.format_exception_only(type(exc), exc))
     return {
@@ -172,6 +174,7 @@ def _error_info(exc):
         "traceback": "Traceback (most recent call last):\n" + tb if frames else tb,
         "where": _where(frames),
         "time": time.time(),
+        "verdict": len(cut) < len(raw),  # a checker's verdict: every rank may say the same (reports.rank_error)
     }
 
 

@@ -122,8 +122,27 @@ def describe(rank, results, stacks, first):
     return "was running"
 
 
+def _same_verdict(world_size, errors):
+    """Every rank failed a checker with the very same verdict (a wrong answer fails on each rank alike)."""
+    first = errors.get(0)
+    return len(errors) == world_size and first is not None and first.get("verdict") and all(
+        (e["type"], e["message"], e.get("where")) == (first["type"], first["message"], first.get("where"))
+        for e in errors.values())
+
+
 def rank_error(world_size, results, stacks, note):
     errors = {r: p for r, (ok, p) in results.items() if not ok}
+    if world_size > 1 and _same_verdict(world_size, errors):  # shown once: the verdict, then the learner's line
+        e = errors[0]
+        tb = e["traceback"].rstrip()
+        cut = tb.rfind(f"\n{e['type']}")
+        lines = [hide_cpp_frames_text(tb[:cut])] if cut > 0 else []
+        if note:
+            lines += ["", note]
+        ranks = {r: "raised the same error" for r in range(1, world_size)}
+        return DistributedError(
+            f"every rank failed the check with {e['type']}: {hide_cpp_frames_text(e['message'])}", "\n".join(lines),
+            rank=0, exc_type=e["type"], exc_message=e["message"], rank_traceback=e["traceback"], ranks=ranks)
     first = first_failure(errors)
     e = errors[first]
     others = {r: describe(r, results, stacks, first) for r in range(world_size) if r != first}
