@@ -122,12 +122,33 @@ class Job:
         return "\n".join(shown)
 
     def report(self, ranks=None):
-        """What the plain job says: each rank's last line, any C++ abort, and torchrun's verdict."""
+        """What the plain job says: each rank's last line, any C++ abort, and torchrun's verdict. gloo's two
+        words for a broken collective are put in one class each (see ``gloo_error``): which rank times out
+        first, and so which one reads "Connection closed by peer", is a race between their timers."""
         ranks = sorted({int(m) for m in re.findall(r"^rank (\d+):", "\n".join(self.lines), re.M)}
                        if ranks is None else ranks)
-        shown = [self.last_words(r) for r in ranks]
+        shown = []
+        for r in ranks:
+            words = self.last_words(r)
+            kind = gloo_error(words)
+            shown.append(f"rank {r}: RuntimeError: {kind}" if kind else words)
         shown += [line for line in self.lines if not line.startswith("rank ")]
         return "\n".join([line for line in shown if line] + [self.exit_summary()])
+
+
+_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (send|recv) operation to complete")
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def gloo_error(line):
+    """The class of a gloo error in a rank's last line, or ``None``: "timed out" (this rank's own timer fired),
+    "lost its peer" (the connection closed under it: a peer crashed, was killed, or timed out first)."""
+    if line is None:
+        return None
+    if _TIMED_OUT.search(line) or any(p in line for p in _PEER_GONE):
+        return ("a collective failed: it timed out, or the peer that timed out first (or died) closed the "
+                "connection")
+    return None
 
 
 def _free_port():
@@ -249,21 +270,31 @@ def pyspy_dump(pid, *, exe=None):
         ok, exe = pyspy_available()
         if not ok:
             raise RuntimeError(exe)
-    result = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise RuntimeError(f"py-spy could not read process {pid}: {(result.stderr or result.stdout).strip()[:300]}")
-    frames, main = [], False
-    for line in result.stdout.splitlines():
-        if line.startswith("Thread "):
-            main = "MainThread" in line or not frames and main is False and '"' not in line
-            continue
-        m = re.match(r"\s+(\S+) \((.+):(\d+)\)$", line)
-        if main and m and "<frozen " not in line:             # runpy's frames: their lines differ by Python
-            func, path, lineno = m.groups()
-            frames.append(f"{func} ({_short(path)}:{lineno})")
-        elif main and frames and not line.strip():
-            break
-    return frames[::-1]
+    for attempt in range(3):
+        result = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30,
+                                env={**os.environ, "NO_COLOR": "1", "CLICOLOR_FORCE": "0", "FORCE_COLOR": "0"})
+        result.stdout = _ANSI.sub("", result.stdout)             # colours, if a terminal setting forced them
+        if result.returncode != 0:
+            raise RuntimeError(f"py-spy could not read process {pid}: "
+                               f"{(result.stderr or result.stdout).strip()[:300]}")
+        threads, current = {}, None
+        for line in result.stdout.splitlines():
+            if line.startswith("Thread "):
+                current = line
+                threads[current] = []
+                continue
+            m = re.match(r"\s+(\S+) \((.+):(\d+)\)$", line)
+            if current is not None and m and "<frozen " not in line:   # runpy's: their lines differ by Python
+                func, path, lineno = m.groups()
+                threads[current].append(f"{func} ({_short(path)}:{lineno})")
+        main = [t for t in threads if '"MainThread"' in t] or [t for t in threads if threads[t]]
+        if main and threads[main[0]]:
+            return threads[main[0]][::-1]
+        time.sleep(0.2)                                           # caught between two frames: look again
+    raise RuntimeError(f"py-spy found no Python frames in process {pid}: {result.stdout.strip()[:300]}")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _short(path):
@@ -272,7 +303,7 @@ def _short(path):
         return path[len(_torch_dir()) + 1:]
     if "/torch/" in path:
         return "torch/" + path.split("/torch/", 1)[1]
-    return os.path.basename(path)
+    return path if path.startswith("torch/") else os.path.basename(path)
 
 
 def _spy_when_stuck(proc, lines, out, nproc, limit):
@@ -372,6 +403,36 @@ def dump_table(folder, last=None):
 
 
 # -- profiler traces ---------------------------------------------------------------------------------------------
+
+_KINETO_LINE = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\] ")
+
+
+class without_kineto_banner:
+    """``with without_kineto_banner(): ...`` around ``torch.profiler.profile``: the profiler's C++ library (kineto)
+    writes "USDT:<date> <time> <pid>:<tid> ...] profiler_start" to the process's stderr at every start and stop,
+    whatever KINETO_LOG_LEVEL says; those lines differ on every run. This catches file descriptor 2 meanwhile
+    and passes everything else on."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        rest = [line for line in self._file.read().decode(errors="replace").splitlines(keepends=True)
+                if not _KINETO_LINE.match(line)]
+        self._file.close()
+        if rest:
+            sys.stderr.write("".join(rest))
+            sys.stderr.flush()
+        return False
+
 
 def trace_events(path):
     """The complete events (``"ph": "X"``) of a ``torch.profiler`` Chrome trace, each with ``name``, ``tid``,

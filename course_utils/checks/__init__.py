@@ -11,6 +11,8 @@
 - the checkers of 12_zero_fsdp, in ``checks.zero``
 - ``check_pad_and_shard``, ``check_micro_fsdp`` (13_fsdp_by_hand), in ``checks.fsdp``
 - ``check_row_parallel_backward``, ``check_pipeline_schedule`` (14_beyond_data_parallelism), in ``checks.parallel``
+- ``check_lora_linear`` (15_fine_tuning_small_cards), in ``checks.lora``
+- ``check_flight_recorder_answer``, ``check_exposed_fraction`` (16_debugging_and_profiling), in ``checks.debugging``
 
 They raise ``AssertionError`` with an explanation, and return quietly when the code is right.
 
@@ -22,7 +24,7 @@ frames). Importing from the submodule gives the unwrapped function.
 """
 import functools
 
-MODULES = ("all_reduce", "basics", "comm_hook", "fsdp", "grad_avg", "micro_ddp", "parallel", "zero")
+MODULES = ("all_reduce", "basics", "comm_hook", "debugging", "fsdp", "grad_avg", "lora", "micro_ddp", "parallel", "zero")
 
 _WRAPPED = {}  # name -> wrapped checker, so every import returns the same object
 
