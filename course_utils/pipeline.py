@@ -135,7 +135,8 @@ def _sends(stage, num_stages, action):
 def simulate(schedules, t_forward=1.0, t_backward=2.0):
     """Play ``schedules`` (one list of actions per stage) with sends that never block and receives that
     wait, as ``run_schedule`` runs them. Each action takes ``t_forward`` or ``t_backward`` and a message
-    arrives at once. Returns ``[(stage, action, start, end), ...]``.
+    arrives at once; ``t_forward`` and ``t_backward`` may also be sequences, one time per stage (unequal stages,
+    e.g. times measured on the ranks). Returns ``[(stage, action, start, end), ...]``.
 
     Raises ``Deadlock`` when every unfinished stage waits for a message nobody will send, and
     ``OutOfOrder`` when a stage would receive a message other than the one it expects (two stages
@@ -163,7 +164,8 @@ def simulate(schedules, t_forward=1.0, t_backward=2.0):
                             f"stages run their micro-batches in different orders")
                     queue.pop(0)
                     start = max(start, sent_at)
-                end = start + (t_forward if action[0] == "F" else t_backward)
+                t = t_forward if action[0] == "F" else t_backward
+                end = start + (t[s] if isinstance(t, (list, tuple)) else t)
                 events.append((s, action, start, end))
                 clock[s] = end
                 out = _sends(s, p, action)

@@ -28,6 +28,22 @@ def test_gpipe_and_1f1b_have_the_formula_bubble(p, m):
         assert abs(idle_fraction(events) - bubble_fraction(p, m)) < 1e-12, (schedule.__name__, p, m)
 
 
+def test_unequal_stages_idle_more_than_the_formula_and_the_slowest_sets_the_pace():
+    """Per-stage times: with one stage k times slower, GPipe's step is (m + p - 1) slots of the slowest stage at
+    best, and the idle fraction rises above (p-1)/(m+p-1); equal per-stage sequences give the formula back."""
+    p, m = 4, 8
+    schedules = [gpipe_schedule(s, p, m) for s in range(p)]
+    equal = simulate(schedules, t_forward=[1, 1, 1, 1], t_backward=[2, 2, 2, 2])
+    assert idle_fraction(equal) == pytest.approx(bubble_fraction(p, m))
+    tf, tb = [0.1, 1.0, 1.0, 0.3], [0.2, 2.0, 2.0, 0.6]        # the GPT's shape: embedding, block, block, head
+    events = simulate(schedules, t_forward=tf, t_backward=tb)
+    busy = sum(m * (f + b) for f, b in zip(tf, tb))
+    span = max(e[3] for e in events)
+    assert idle_fraction(events) == pytest.approx(1 - busy / (p * span))
+    assert idle_fraction(events) > bubble_fraction(p, m) + 0.1
+    assert span >= m * (1.0 + 2.0), "the slowest stage runs every micro-batch's forward and backward"
+
+
 def test_the_bubble_formula_is_p_minus_1_over_m_plus_p_minus_1():
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11) and bubble_fraction(2, 1) == pytest.approx(1 / 2)
 
