@@ -1,0 +1,123 @@
+"""README promises of the engine that no other test checked (tests audit, issue 32 section 4): each test
+below fails on an engine that breaks the promise named in its name.
+
+%unload_ext starting a new server and multiprocessing finding cell-defined objects are tested in
+test_engine_leaks.py, with the engine changes that made them true.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT
+from course_utils import Cluster
+from course_utils.engine import _forkstart
+
+CHILD_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "COURSE_UTILS_START")}
+CHILD_ENV["PYTHONPATH"] = str(ROOT)
+
+
+# -- "Native Windows is not supported ...: `Cluster` says so at once." ----------------------------------------------
+def test_native_windows_stops_at_once_with_what_to_do(monkeypatch):
+    from course_utils.engine import launcher
+
+    def no_ranks_on_windows(*args, **kwargs):
+        raise AssertionError("the engine tried to start ranks on native Windows")
+
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setattr(launcher, "_spawn", no_ranks_on_windows)
+    with pytest.raises(RuntimeError, match=r"native Windows is not supported.*WSL 2"):
+        Cluster(world_size=2, backend="gloo")
+
+
+# -- "if it dies anyway, the next start makes a new one, once, before falling back" --------------------------------
+# A server killed between cells is restarted by multiprocessing itself (ensure_running, on every request); the
+# engine's own restart and fallback are for a server that fails the fork request: it dies while forking a rank.
+SECOND_DEATH = textwrap.dedent("""
+    import os, signal
+    from multiprocessing import forkserver
+    from course_utils import Cluster
+    WHERE = "import sys\\nsys.modules['course_utils.engine._worker'].__name__"  # '__main__': a fresh interpreter
+    server = forkserver._forkserver
+    connect, dies = forkserver.connect_to_new_process, []
+
+    def dying_while_it_forks(fds):  # the next request finds the server dead: as if it crashed forking the rank
+        if dies:
+            dies.pop()
+            server.ensure_running()
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+            while open(f"/proc/{server._forkserver_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                pass  # dead, not reaped: multiprocessing's ensure_running reaps its own server
+            raise ConnectionRefusedError("the fork server died while forking a rank")
+        return connect(fds)
+
+    forkserver.connect_to_new_process = dying_while_it_forks  # what multiprocessing's Popen calls
+    with Cluster(world_size=2, backend="gloo") as c:
+        print("first", c.run(WHERE))
+    first = server._forkserver_pid
+    dies.append(1)
+    with Cluster(world_size=2, backend="gloo") as c:
+        print("after one death", c.run(WHERE))
+    print("a new server", server._forkserver_pid not in (None, first), flush=True)
+    dies.append(1)
+    for _ in range(2):
+        with Cluster(world_size=2, backend="gloo") as c:
+            print("after two deaths", c.run(WHERE))
+""")
+
+
+def test_a_second_server_death_falls_back_to_fresh_interpreters_with_one_note():
+    if not _forkstart.wanted() or not os.path.isdir("/proc/self"):
+        pytest.skip("the ranks start as fresh interpreters here (COURSE_UTILS_START=spawn), or no /proc")
+    proc = subprocess.run([sys.executable, "-c", SECOND_DEATH], capture_output=True, text=True, timeout=300,
+                          env=CHILD_ENV, cwd=ROOT, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    forked, fresh = "['course_utils.engine._worker', 'course_utils.engine._worker']", "['__main__', '__main__']"
+    assert proc.stdout.splitlines() == [f"first {forked}", f"after one death {forked}", "a new server True",
+                                        f"after two deaths {fresh}", f"after two deaths {fresh}"], proc.stdout
+    assert proc.stderr.count("note: the ranks start as fresh interpreters") == 1, proc.stderr[-3000:]
+    assert "died while forking a rank" in proc.stderr, "the note says why"
+
+
+# -- "Python's `random` reseeds itself at a fork", "so ranks and restarts never share one" ------------------------------
+def test_pythons_random_differs_per_rank_and_per_restart(make_cluster):
+    c = make_cluster(2, timeout=30)
+    code = "import random\nrandom.getrandbits(64)"
+    first = c.run(code)
+    assert first[0] != first[1], f"both ranks drew the same Python random number: {first}"
+    c.restart()
+    again = c.run(code)
+    assert not set(first) & set(again), f"a restart repeats Python's random state: {first} then {again}"
+
+
+# -- "numpy's BLAS pools sized by threadpoolctl (... else the rank's share)" ------------------------------------------
+def test_blas_pools_are_sized_to_the_ranks_share_by_default(monkeypatch, make_cluster):
+    from threadpoolctl import threadpool_info
+
+    from course_utils.engine.launcher import _cpu_count
+
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    import numpy  # noqa: F401  (loads its OpenBLAS here too: the pool size a process gets unsized)
+
+    unsized = {p["num_threads"] for p in threadpool_info() if p["internal_api"] == "openblas"}
+    c = make_cluster(2, timeout=60)
+    got = c.run("import numpy\nfrom threadpoolctl import threadpool_info\n"
+                "sorted({p['num_threads'] for p in threadpool_info() if p['internal_api'] == 'openblas'})")
+    share = max(1, _cpu_count() // 2)
+    if not got[0]:
+        pytest.skip("threadpoolctl finds no OpenBLAS in the ranks (numpy built against another BLAS)")
+    assert got == [[share], [share]], f"each rank's OpenBLAS should run its share ({share}) of the cores: {got}"
+    if unsized == {share}:
+        pytest.skip(f"this machine's unsized pool is already {share} thread(s): the check above cannot tell")
+
+
+# -- "the backend's own timeout stays far above the cell's (at least 30 minutes)" --------------------------------------
+@pytest.mark.parametrize("cell_timeout, want_s", [(5, 1800), (1000, 4000), (float("inf"), 1800)])
+def test_the_backends_timeout_is_at_least_30_minutes_and_above_the_cells(make_cluster, cell_timeout, want_s):
+    c = make_cluster(2, timeout=cell_timeout)
+    got = c.run("import torch, torch.distributed as dist\n"
+                "dist.group.WORLD._get_backend(torch.device('cpu')).options._timeout.total_seconds()")
+    assert got == [want_s, want_s], f"the gloo group's timeout for a {cell_timeout} s cell: {got}"
