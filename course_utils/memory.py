@@ -187,6 +187,26 @@ def format_bytes(n):
 PEAK_KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "buffers")
 
 
+def _step_peak_tracker():
+    """torch's ``MemTracker``, keeping only the step's global peak (what ``peak_memory`` returns).
+
+    After every op MemTracker also updates a peak per module that is running, looping over every module it has
+    seen: on a 24-block GPT that loop made a tracked step 100x slower than a plain one (30 s against 0.3 s on one
+    core). This subclass skips the per-module peaks (``memory_tracking``'s snapshots stay empty) and keeps the
+    global one exactly as MemTracker computes it (``_update_peak_stats``, torch 2.13): about 7x faster.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepPeakTracker(MemTracker):
+        def _update_peak_stats(self, peak_state):
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                    self._peak_mem[dev] = dev_snap["Total"]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
+    return StepPeakTracker()
+
+
 def peak_memory(step, *tracked):
     """Run ``step()`` once under torch's ``MemTracker`` and return this rank's peak, by kind, in bytes.
 
@@ -212,10 +232,9 @@ def peak_memory(step, *tracked):
     over the whole step, which this function returns, is kept. (A checkpointed block's recomputation runs
     inside backward: it is not a new micro-batch.)
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-    tracker = MemTracker()
+    tracker = _step_peak_tracker()
     tracker.track_external(*tracked)
     depth = [0]                                       # module forwards running now (outside backward)
 
