@@ -267,3 +267,27 @@ def test_the_same_checker_verdict_on_every_rank_is_shown_once(make_cluster):
         c.run("from course_utils.checks import verdict_only\n"
               "def judge():\n    assert rank != 1, 'wrong on rank 1'\nverdict_only(judge)()")
     assert str(info.value).startswith("rank 1 failed with AssertionError: wrong on rank 1"), str(info.value)
+
+
+FIRST_START = """
+import sys
+sys.path.insert(0, {root!r})
+from course_utils import Cluster
+with Cluster(world_size=1, backend="gloo") as c:
+    print(c.run("import sys\\n'torch.distributed.nn' in sys.modules, 'torch._dynamo' in sys.modules"))
+"""
+
+
+def test_the_first_start_does_not_wait_for_the_server_to_import_torch_dynamo():
+    """The fork server imported torch._dynamo (1-4 s) before it served the first start: it now imports it
+    once it has been idle, so the first ranks are forked without it (and import it when they need it)."""
+    from conftest import ROOT
+    from course_utils.engine import _forkstart
+
+    if not _forkstart.wanted():
+        pytest.skip("the ranks start as fresh interpreters here: there is no fork server")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    run = subprocess.run([sys.executable, "-c", FIRST_START.format(root=str(ROOT))], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[(True, False)]", run.stdout

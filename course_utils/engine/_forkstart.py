@@ -16,15 +16,18 @@ import subprocess
 import sys
 import threading
 
-# torch._dynamo (which imports torch.distributed.nn) before any rank has a process group: imported
-# later, by the first optimizer or DDP, torch.distributed.nn's `group=group.WORLD` default arguments
-# capture the live group and keep it, and its gloo threads, alive after destroy_process_group()
-# (see scripts/train_micro_ddp.py's setup()), by accident and for the first group only. The ranks
-# keep every group on purpose instead (_worker.keep_every_group_alive) and end with os._exit. The
-# preload also saves each rank that import (about 1 s), and starts no threads.
+# torch.distributed.nn before any rank has a process group: imported later (by torch._dynamo, which the
+# first optimizer or DDP imports), its `group=group.WORLD` default arguments capture the live group and keep
+# it, and its gloo threads, alive after destroy_process_group() (see scripts/train_micro_ddp.py's setup()).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn",
-           "torch._dynamo", "cloudpickle",
+           "cloudpickle",
            "course_utils.engine._wire", "course_utils.engine._worker", "course_utils.engine._forkstart"]
+# Imported by the server once it has served and no request came for IDLE_S: off the first start's critical
+# path (about 1 s idle, up to 4 s under load), and on the server's only thread, between two forks, so that
+# no rank is ever forked in the middle of an import. A rank forked later has it for free (each rank's first
+# optimizer or DDP would pay it); one forked before imports it when its code first needs it.
+LATER = ["torch._dynamo"]
+IDLE_S = 0.2
 
 _SERVER_OF = "COURSE_UTILS_FORK_SERVER_OF"
 _lock = threading.RLock()
@@ -45,13 +48,44 @@ def _end_with_the_notebook():
     threading.Thread(target=watch, name="course_utils-server-watchdog", daemon=True).start()
 
 
+def _import_when_idle():
+    """In the server: multiprocessing's forkserver loop waits in selectors.DefaultSelector().select() with no
+    timeout; its selector waits IDLE_S instead while LATER has modules, and imports the next one when nothing
+    came. Only the server's own selector: the class is put back as soon as it is made."""
+    import gc
+    import selectors
+
+    original = selectors.DefaultSelector
+
+    class IdleImports(original):
+        def __init__(self, *args, **kwargs):
+            selectors.DefaultSelector = original  # the ranks (forked from here) get the real one
+            super().__init__(*args, **kwargs)
+
+        def select(self, timeout=None):
+            while timeout is None and _later:
+                ready = super().select(IDLE_S)
+                if ready:
+                    return ready
+                try:
+                    __import__(_later.pop(0))
+                except ImportError:
+                    pass
+                gc.freeze()  # as after the preload
+            return super().select(timeout)
+
+    _later = list(LATER)
+    selectors.DefaultSelector = IdleImports
+
+
 if os.environ.get(_SERVER_OF) and multiprocessing.parent_process() is None and os.getppid() == int(
         os.environ[_SERVER_OF]):
     _end_with_the_notebook()
+    _import_when_idle()
     import gc
 
-    # In the server, after the preload (this module comes last): its ~280k objects (torch, torch._dynamo)
-    # are never collected in the ranks, so their gc passes stay cheap and touch none of the shared pages.
+    # In the server, after the preload (this module comes last): its ~280k objects (torch) are never
+    # collected in the ranks, so their gc passes stay cheap and touch none of the shared pages.
     gc.freeze()
 _state = {"ctx": None, "failed": None, "noted": False, "restarted": False}
 
