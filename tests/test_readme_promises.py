@@ -5,9 +5,11 @@ below fails on an engine that breaks the promise named in its name.
 test_engine_leaks.py, with the engine changes that made them true.
 """
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -81,7 +83,7 @@ def test_a_second_server_death_falls_back_to_fresh_interpreters_with_one_note():
     assert "died while forking a rank" in proc.stderr, "the note says why"
 
 
-# -- "Python's `random` reseeds itself at a fork", "so ranks and restarts never share one" ------------------------------
+# -- "Python's `random` reseeds itself at a fork", "so ranks and restarts never share one" ----------------------------
 def test_pythons_random_differs_per_rank_and_per_restart(make_cluster):
     c = make_cluster(2, timeout=30)
     code = "import random\nrandom.getrandbits(64)"
@@ -121,3 +123,104 @@ def test_the_backends_timeout_is_at_least_30_minutes_and_above_the_cells(make_cl
     got = c.run("import torch, torch.distributed as dist\n"
                 "dist.group.WORLD._get_backend(torch.device('cpu')).options._timeout.total_seconds()")
     assert got == [want_s, want_s], f"the gloo group's timeout for a {cell_timeout} s cell: {got}"
+
+
+# -- "The notebook process never initialises CUDA itself (it counts GPUs through NVML)" -------------------------------
+CUDA_SPY = """
+import torch, torch.cuda
+CUDA_CALLS = []
+
+def _spy(name, f):
+    def called(*args, **kwargs):
+        CUDA_CALLS.append(name)
+        return f(*args, **kwargs)
+    return called
+
+for _name in ("_lazy_init", "init", "is_available", "device_count", "current_device", "set_device",
+              "synchronize", "get_device_name", "get_device_properties", "mem_get_info"):
+    setattr(torch.cuda, _name, _spy(_name, getattr(torch.cuda, _name)))
+if not torch.version.cuda:  # a CPU build: fake a CUDA build with one GPU, as far as the engine can tell
+    torch.version.cuda = "12.8"
+    torch.cuda._device_count_nvml = lambda: 1
+"""
+
+
+def test_the_notebook_process_never_initialises_cuda_through_a_lesson():
+    """Lesson 00 (every %%ddp cell, spawn, launch, the checkers) in a kernel that sees a GPU: the kernel never asks
+    CUDA anything (a CUDA build would initialise it, and a fork of the notebook after that breaks) and
+    torch.cuda.is_initialized() stays false."""
+    import nbformat
+
+    from conftest import NOTEBOOKS
+    from engine_helpers import Kernel
+
+    cells = [c for c in nbformat.read(NOTEBOOKS / "00_launcher_tour.ipynb", 4).cells if c.cell_type == "code"]
+    k = Kernel()
+    try:
+        assert k.execute(CUDA_SPY)[0] == "ok"
+        ran, failed = 0, []
+        for i, cell in enumerate(cells):
+            status, out, ename = k.execute(cell.source, timeout=300)
+            expected = "raises-exception" in cell.metadata.get("tags", [])
+            if (status == "ok") == expected:
+                failed.append((i, ename, out[-500:]))
+            ran += cell.source.startswith("%%ddp")
+        status, out, _ = k.execute("print(sorted(set(CUDA_CALLS)), torch.cuda.is_initialized())")
+    finally:
+        k.close()
+    assert ran >= 10 and not failed, f"lesson 00 did not run as stored with one GPU visible: {failed}"
+    assert (status, out) == ("ok", "[] False\n"), f"the notebook process asked CUDA: {out}"
+
+
+# -- Kaggle/Colab: "run this first cell, before the lesson's setup cell" -----------------------------------------------
+START_THE_COURSE = """
+import sys
+from IPython.core.interactiveshell import InteractiveShell
+
+import course_utils
+from course_utils.engine.env import check_environment
+
+print("installed at", course_utils.__file__)
+print("environment", check_environment())
+shell = InteractiveShell.instance()
+for cell in ("%load_ext course_utils", "%%ddp -n 2 --backend gloo\\nimport torch\\nprint(torch.ones(1) * rank)",
+             "%ddp shutdown"):
+    if not shell.run_cell(cell).success:
+        sys.exit(f"the cell failed: {cell!r}")
+"""
+
+
+def test_the_kaggle_and_colab_first_cell_installs_a_course_that_starts(tmp_path):
+    """The README's first cell, line by line, in a fresh venv that already has torch (the platform's), with
+    this repository's clone for its URL: no index is asked (PIP_NO_INDEX), and nothing but the course is
+    installed."""
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Kaggle"):]
+    block = section[section.index("```python"):section.index("```", section.index("```python") + 3)]
+    lines = [line.split("#")[0].strip() for line in block.splitlines() if line.strip().startswith("!pip")]
+    assert len(lines) == 2 and "--no-deps" in lines[0], lines
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
+    venv = tmp_path / "venv"
+    # no pip or setuptools of its own: the .pth below brings this environment's (the build runs without
+    # isolation, which would download setuptools)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "torch"))]
+    (Path(site) / "platform_torch.pth").write_text(ours[0] + "\n")  # the platform's torch, numpy, Jupyter
+    env = dict(CHILD_ENV, PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.pop("PYTHONPATH")
+    for line in lines:
+        args = shlex.split(line[1:].replace("git+<this repository's URL>", f"git+file://{clone}"))
+        assert args[:2] == ["pip", "install"], line
+        run = subprocess.run([str(python), "-m", *args], capture_output=True, text=True, env=env, timeout=600,
+                             cwd=tmp_path)
+        assert run.returncode == 0, f"{line}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    run = subprocess.run([str(python), "-c", START_THE_COURSE], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert f"installed at {site}" in run.stdout, run.stdout
+    assert "environment True" in run.stdout and "[rank 1] tensor([1.])" in run.stdout, run.stdout
