@@ -108,9 +108,9 @@ def check_exposed_fraction(exposed_fraction, events=None):
     for what, trace, want in cases:
         try:
             got = exposed_fraction([dict(e) for e in trace])
-        except NotImplementedError as exc:
-            raise AssertionError(f"exposed_fraction is not written yet ({exc}): write it, then run the cell "
-                                 "again") from None
+        except NotImplementedError:
+            raise AssertionError("exposed_fraction is not written yet (it raised NotImplementedError): write it "
+                                 "above, then run the cell again") from None
         if got is None or not isinstance(got, (int, float)) or isinstance(got, bool) or math.isnan(got):
             raise AssertionError(f"exposed_fraction should return a number between 0 and 1, got {got!r}")
         if not 0.0 <= got <= 1.0:
