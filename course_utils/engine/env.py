@@ -10,6 +10,7 @@ import sys
 REQUIRED = [  # (import name, why the course needs it)
     ("torch", "tensors, autograd and torch.distributed"),
     ("cloudpickle", "sends notebook functions to the ranks"),
+    ("threadpoolctl", "sizes each rank's BLAS thread pools"),
     ("matplotlib", "plots"),
     ("ipywidgets", "the interactive cost model in lesson 10"),
     ("nbval", "runs the notebooks as tests"),
