@@ -282,3 +282,38 @@ def ddp_bucket_bytes(model):
     if data.get("gradient_as_bucket_view"):
         return 0
     return sum(int(s) for s in str(data.get("bucket_sizes", "")).replace(" ", "").split(",") if s)
+
+
+# -- what no tensor meter sees (13_fsdp_by_hand) --------------------------------------------------------
+def _proc_status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def collective_scratch_bytes(collective):
+    """Bytes of memory a collective holds beyond its tensors while it runs: the backend's own scratch.
+
+    Introduced in 13_fsdp_by_hand. gloo copies through buffers of its own, allocated outside torch, so
+    ``MemTracker`` never sees them. This measures them once from the process's resident memory: run
+    ``collective()`` once (warm-up), then reset the peak resident size (Linux: ``/proc/self/clear_refs``),
+    run it again, and return the peak's rise. Use tensors of tens of MiB, which glibc maps and unmaps at
+    once (above its largest mmap threshold, 32 MiB). Every rank must call it (it runs collectives and a
+    barrier). ``None`` where ``/proc/self/status`` does not exist (not Linux).
+    """
+    import torch.distributed as dist
+    collective()
+    dist.barrier()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                                # resets VmHWM, the peak resident size, to VmRSS
+        before = _proc_status("VmRSS")
+    except OSError:
+        dist.barrier()
+        collective()
+        return None
+    dist.barrier()
+    collective()
+    return max(0, _proc_status("VmHWM") - before)

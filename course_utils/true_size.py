@@ -149,7 +149,7 @@ def _restart_peak(tracker):
 
 
 def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, micro_batch_size=1, seq_len=512,
-                 checkpoint=False, foreach=False, modify=None):
+                 checkpoint=False, foreach=False, modify=None, fake=True):
     """Peak memory of rank 0 in each phase of one AdamW training step of ``shape``, in bytes by kind.
 
     ``strategy``: ``"fsdp2"`` (``fully_shard`` per block and at the root, measured by ``FSDPMemTracker``) or
@@ -158,6 +158,8 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 shards, bf16 gathered weights), or
     for a replica bf16 autocast over fp32 weights. ``checkpoint``: activation checkpointing per block.
     ``modify(model)``: called on the meta model before sharding (freeze a base, add adapters, ...).
+    ``fake=False``: real tensors instead (same fake world, so the values are meaningless, the bytes real): the
+    check that the fake run measures what a real one would, at a size that fits this machine.
 
     Returns ``{"forward": kinds, "backward": kinds, "step": kinds, "n_params": ..., "n_trainable": ...,
     "seconds": ...}``; each ``kinds`` is the phase's peak with its breakdown at that moment.
@@ -188,8 +190,12 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
             fully_shard(model, **kw)
         elif strategy != "replica":
             raise ValueError(f"strategy={strategy!r}: use 'fsdp2' or 'replica' (DDP and ZeRO start from a replica)")
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             model.to_empty(device="cpu")
+            if not fake:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.normal_(0, 0.02)
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=foreach)
             idx = torch.randint(shape.vocab_size, (micro_batch_size, seq_len))
