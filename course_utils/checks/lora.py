@@ -1,0 +1,170 @@
+"""The self-check of 15_fine_tuning_small_cards: ``check_lora_linear``.
+
+Introduced in 15_fine_tuning_small_cards. It builds the learner's ``LoRALinear`` around a seeded ``nn.Linear``
+(12 inputs, 10 outputs, a bias; r = 3, alpha = 6, so the scaling alpha / r = 2 differs from 1, from r / alpha and
+from alpha) and checks, in this order, each with its own verdict:
+
+1. the shapes: ``lora_A`` is r x in_features, ``lora_B`` is out_features x r;
+2. at initialisation the output equals the base's exactly (B starts at zero);
+3. only A and B are trainable (r x (in + out) numbers). Inside a process group of 2 or more ranks the wrapped
+   layer is also put under DDP with lesson 09's byte counter, and the bytes of one backward are compared with
+   4 x r x (in + out): a trainable base shows up on the wire;
+4. with A and B set to random values, the output equals ``base(x) + (alpha / r) * x A^T B^T`` (the scaling
+   missing, inverted, or alpha alone are named);
+5. gradients reach A and B, and not the base;
+6. ``merge()`` folds ``scaling * B @ A`` into the base weight (out x in): the merged output equals the unmerged
+   one within 1e-5, and the update is not added twice;
+7. on the lesson's tiny Llama, ``add_lora(model, lora_cls=cls)`` leaves the model's logits unchanged.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+IN, OUT, R, ALPHA = 12, 10, 3, 6
+
+
+def _base(seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(IN, OUT)
+
+
+def _build(cls):
+    base = _base()
+    try:
+        layer = cls(base, r=R, alpha=ALPHA)
+    except NotImplementedError as exc:
+        raise AssertionError(f"LoRALinear is not written yet ({exc}): write __init__, forward and merge") from None
+    except TypeError as exc:
+        raise AssertionError(f"LoRALinear(base, r=3, alpha=6) raised TypeError: {exc}. The constructor takes the "
+                             "nn.Linear to wrap, then r and alpha") from None
+    return layer
+
+
+def _update(x, layer, scale):
+    return scale * (x @ layer.lora_A.detach().t()) @ layer.lora_B.detach().t()
+
+
+def check_lora_linear(cls):
+    """Check a ``LoRALinear`` class (see the module docstring). Raises ``AssertionError`` with the reason."""
+    layer = _build(cls)
+    A, B = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
+    assert isinstance(A, nn.Parameter) and isinstance(B, nn.Parameter), (
+        "self.lora_A and self.lora_B must be nn.Parameter (so that the optimizer and DDP see them)")
+    assert tuple(A.shape) == (R, IN), f"lora_A has shape {tuple(A.shape)}; it should be r x in_features = {(R, IN)}"
+    assert tuple(B.shape) == (OUT, R), f"lora_B has shape {tuple(B.shape)}; it should be out_features x r = {(OUT, R)}"
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    base = _base()
+    try:
+        with torch.no_grad():
+            y0 = layer(x)
+    except NotImplementedError as exc:
+        raise AssertionError(f"forward is not written yet ({exc})") from None
+    assert torch.equal(y0, base(x).detach()), (
+        f"at initialisation the output differs from the base layer's by {(y0 - base(x)).abs().max():.3g}"
+        + (": lora_B must start at zero (torch.zeros), so that B @ A = 0 and fine-tuning starts from the base model"
+           if B.detach().abs().max() > 0 else ": with B = 0 the update is 0; forward should return base(x) + update"))
+
+    trainable = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for _, p in trainable)
+    expected = R * (IN + OUT)
+    extra = [n for n, p in trainable if p is not A and p is not B]
+    wire = _bytes_on_the_wire(layer)
+    if wire is not None:
+        assert wire == 4 * expected, (
+            f"under DDP one backward sent {wire} bytes; only A and B ({expected} fp32 numbers = {4 * expected} bytes) "
+            f"should travel. Trainable besides A and B: {extra or 'none'}: freeze the base "
+            "(base.weight.requires_grad_(False), and its bias)")
+    assert not extra, (f"{n_trainable} trainable numbers where LoRA trains r x (in + out) = {expected}: {extra} "
+                       "must be frozen (requires_grad_(False)); DDP would all-reduce their gradients every step")
+
+    with torch.no_grad():
+        A.copy_(torch.randn(R, IN, generator=torch.Generator().manual_seed(2)))
+        B.copy_(torch.randn(OUT, R, generator=torch.Generator().manual_seed(3)))
+    y = layer(x)
+    want = base(x).detach() + _update(x, layer, ALPHA / R)
+    if not torch.allclose(y, want, atol=1e-5, rtol=1e-5):
+        for scale, words in ((1.0, "the scaling alpha / r is missing"), (R / ALPHA, "the scaling is inverted (r / alpha)"),
+                             (float(ALPHA), "the update is scaled by alpha, not alpha / r"),
+                             (float(R), "the update is scaled by r, not alpha / r")):
+            if torch.allclose(y, base(x).detach() + _update(x, layer, scale), atol=1e-5, rtol=1e-5):
+                raise AssertionError(f"with r = {R}, alpha = {ALPHA}: {words}. The update is (alpha / r) * x A^T B^T")
+        raise AssertionError(f"with random A and B the output differs from base(x) + (alpha / r) * x A^T B^T by "
+                             f"{(y - want).abs().max():.3g}: x goes through A (r x in) first, then B (out x r)")
+
+    assert y.requires_grad, ("the output does not require grad: the update must be computed from lora_A and lora_B "
+                             "themselves (not from a detached copy), so that lora_A.grad or lora_B.grad is not empty")
+    y.sum().backward()
+    assert A.grad is not None and B.grad is not None and A.grad.abs().sum() > 0 and B.grad.abs().sum() > 0, (
+        "after backward lora_A.grad or lora_B.grad is empty: the update must be computed from the parameters "
+        "themselves (not from a detached copy)")
+
+    before = layer(x).detach()
+    try:
+        layer.merge()
+    except NotImplementedError as exc:
+        raise AssertionError(f"merge is not written yet ({exc})") from None
+    except RuntimeError as exc:
+        raise AssertionError(f"merge raised RuntimeError ({str(exc).splitlines()[0]}): the base weight is "
+                             "out x in, and so is B @ A (not A.T @ B.T)") from None
+    with torch.no_grad():
+        after = layer(x)
+        merged_weight = [p for n, p in layer.named_parameters() if not p.requires_grad and p.dim() == 2]
+    assert merged_weight, "the wrapped nn.Linear's weight should stay a frozen parameter of the layer"
+    gap = (after - before).abs().max().item()
+    if gap > 1e-5:
+        twice = base(x).detach() + _update(x, layer, 2 * ALPHA / R)
+        if torch.allclose(after, twice, atol=1e-4, rtol=1e-4):
+            raise AssertionError("after merge() the update is counted twice: once in the merged weight and again "
+                                 "in forward. Remember that the layer is merged, and stop adding the update")
+        if torch.allclose(after, before - _update(x, layer, ALPHA / R), atol=1e-4, rtol=1e-4):
+            raise AssertionError("after merge() the output equals the base's: the weight was not changed in place "
+                                 "(add into self.base.weight under torch.no_grad())")
+        raise AssertionError(f"after merge() the output moved by {gap:.3g}: the weight must grow by exactly "
+                             "(alpha / r) * B @ A, the same update forward adds")
+    _check_on_llama(cls)
+    from course_utils.lora import LoRALinear
+
+    solution = " (that was the course's solution, USE_SOLUTION = True: set it to False to check yours)" \
+        if cls is LoRALinear else ""
+    where = f", {wire} bytes per backward under DDP" if wire is not None else ""
+    _say(f"check_lora_linear: equal to the base at initialisation; {expected} trainable numbers, r x (in + out)"
+         f"{where}; scaled by alpha / r; merge() equal within 1e-5; a tiny Llama unchanged by add_lora{solution}.")
+
+
+def _say(message):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message)
+
+
+def _bytes_on_the_wire(layer):
+    """Bytes one backward of ``layer`` under DDP hands to the all-reduce (lesson 09's counter), or None outside
+    a process group of 2 or more ranks."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.hooks import ByteCounter
+
+    copy = _build(type(layer))
+    copy.load_state_dict(layer.state_dict())
+    for (_, p), (_, q) in zip(layer.named_parameters(), copy.named_parameters()):
+        q.requires_grad_(p.requires_grad)
+    ddp = DDP(copy)
+    counter = ByteCounter()
+    ddp.register_comm_hook(dist.group.WORLD, counter.wrap(allreduce_hook))
+    ddp(torch.ones(2, IN)).sum().backward()
+    counter.close()
+    return counter.bytes_per_step()[0]
+
+
+def _check_on_llama(cls):
+    from course_utils.lora import add_lora, load_model
+
+    x = torch.randint(10, (2, 16), generator=torch.Generator().manual_seed(4))
+    base = load_model("tiny", seed=0)
+    wrapped = add_lora(load_model("tiny", seed=0), targets=("q_proj", "v_proj"), r=R, alpha=ALPHA, lora_cls=cls)
+    with torch.no_grad():
+        want, got = base(input_ids=x).logits, wrapped(input_ids=x).logits
+    assert torch.equal(got, want), (f"the tiny Llama wrapped with add_lora(..., lora_cls=your class) gives other "
+                                    f"logits (by {(got - want).abs().max():.3g}) at initialisation")
