@@ -18,6 +18,8 @@ and what passed:
   against the unsharded model, when that module exists ("not available" otherwise);
 - DDP's built-in ``bf16_compress_hook`` on NCCL (it registers on a CUDA build; the gradients match fp32 to
   bf16's precision);
+- lesson 16's tools on NCCL: a Flight Recorder dump of three NCCL all-reduces and a profiler trace with
+  ``ProfilerActivity.CUDA`` that shows NCCL's kernels;
 - every lesson's ``%%ddp`` cells that can run on NCCL (no ``--backend gloo`` in force), in order, on NCCL at
   world size 1. A lesson stops at its first error: an error about devices (a CPU tensor on NCCL, tensors on
   two devices) fails the check; any other error (a cell written for several ranks, a name from a notebook
@@ -57,6 +59,7 @@ PLAN = [
     ("MicroFSDP", "on NCCL == the unsharded model"),
     ("DDP hooks", "bf16_compress_hook on NCCL"),
     ("DDP hooks", "bf16_compress_hook with gloo on CUDA tensors"),
+    ("debugging", "a Flight Recorder dump and a profiler trace of an NCCL all-reduce (lesson 16)"),
     ("lessons", "%%ddp cells that can run on NCCL: NCCL, world size min(-n, GPUs)"),
     ("lessons", "the same cells at their -n, gloo, every rank's device = cuda:0"),
 ]
@@ -395,6 +398,66 @@ def check_bf16_gloo(ctx):
         if got[1] == "registered" else f"gloo: {got[1]}"
 
 
+# ---- lesson 16's tools on NCCL -------------------------------------------------------------------------------
+
+# One fresh process (the Flight Recorder reads its buffer size when the process group is made): world size 1,
+# an all-reduce under torch.profiler, then the Flight Recorder's dump and the trace's events. argv: the backend
+# ("nccl" on a GPU; tests/test_debugging.py runs it with "gloo" on the CPU) and an output folder.
+FR_TRACE_SCRIPT = r"""
+import json, os, pickle, sys
+import torch, torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+backend, out = sys.argv[1], sys.argv[2]
+device = torch.device("cuda:0" if backend == "nccl" else "cpu")
+dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+x = torch.ones(1 << 20, device=device)
+activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+with profile(activities=activities) as prof:
+    for _ in range(3):
+        dist.all_reduce(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+prof.export_chrome_trace(os.path.join(out, "trace.json"))
+c10d = torch._C._distributed_c10d
+dump = getattr(c10d, "_dump_nccl_trace", None) if backend == "nccl" else None
+raw = dump() if dump is not None else c10d._dump_fr_trace()
+with open(os.path.join(out, "fr_0"), "wb") as f:
+    f.write(raw)
+entries = pickle.loads(raw)["entries"]
+events = json.load(open(os.path.join(out, "trace.json")))["traceEvents"]
+kernels = sorted({e["name"] for e in events if e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower()})
+print(json.dumps({"ops": [e["profiling_name"] for e in entries], "states": [e["state"] for e in entries],
+                  "completed": sum(e.get("time_discovered_completed_ns") is not None for e in entries),
+                  "kernels": kernels, "profiler_ops": sorted({e["name"] for e in events
+                                                               if "all_reduce" in e.get("name", "")})}))
+dist.destroy_process_group()
+"""
+
+
+def fr_and_trace(backend, out):
+    """Run FR_TRACE_SCRIPT on ``backend`` in a fresh process with the Flight Recorder on: its JSON summary."""
+    import subprocess
+
+    env = dict(os.environ, TORCH_FR_BUFFER_SIZE="200", TORCH_NCCL_TRACE_BUFFER_SIZE="200", TORCH_NCCL_ENABLE_TIMING="1")
+    result = subprocess.run([sys.executable, "-c", FR_TRACE_SCRIPT, backend, str(out)], capture_output=True,
+                            text=True, env=env, timeout=180)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {backend} Flight Recorder script failed: {result.stderr.strip()[-400:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def check_flight_recorder_and_trace(ctx):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        got = fr_and_trace("nccl", out)
+    prefix = "nccl:all_reduce"
+    assert got["ops"].count(prefix) == 3, f"the Flight Recorder recorded {got['ops']}, not 3 x {prefix}"
+    assert got["kernels"], f"no NCCL kernel in the profiler's trace (CUDA activity on); its ops: {got['profiler_ops']}"
+    return PASSED, (f"Flight Recorder: 3 x {prefix}, states {sorted(set(got['states']))}, {got['completed']} with a "
+                    f"completion time; trace: {', '.join(got['kernels'])[:120]}")
+
+
 # ---- the lessons --------------------------------------------------------------------------------------------
 
 def nccl_cells(nb):
@@ -499,7 +562,7 @@ def check_lessons_gloo_cuda(ctx, budget_s=100):
 
 CHECKS = [check_environment, check_nccl_world_1, check_error_on_nccl, check_stuck_on_gpu, check_two_ranks,
           check_gloo_cuda, check_micro_ddp_gloo_cuda, check_micro_ddp_nccl, check_micro_fsdp, check_bf16_nccl,
-          check_bf16_gloo, check_lessons_nccl, check_lessons_gloo_cuda]
+          check_bf16_gloo, check_flight_recorder_and_trace, check_lessons_nccl, check_lessons_gloo_cuda]
 
 
 # ---- the table ----------------------------------------------------------------------------------------------

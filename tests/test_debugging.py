@@ -178,3 +178,17 @@ def test_the_profilers_banner_is_dropped_and_other_stderr_kept(capfd):
         os.write(2, b"a real warning\n")
     err = capfd.readouterr().err
     assert "profiler_start" not in err and "USDT:" not in err and "a real warning" in err
+
+
+def test_gpu_checks_flight_recorder_script_computes_what_it_asserts_on_gloo(tmp_path):
+    """scripts/gpu_check.py's lesson-16 row runs this script on NCCL; here on gloo and the CPU, so that a wrong
+    expectation shows up before someone's GPU does."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", debugging.ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    got = gpu_check.fr_and_trace("gloo", tmp_path)
+    assert got["ops"] == ["gloo:all_reduce"] * 3, got
+    assert got["kernels"] == [] and "gloo:all_reduce" in got["profiler_ops"], got
+    assert (tmp_path / "fr_0").exists() and (tmp_path / "trace.json").exists()
