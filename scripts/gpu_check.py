@@ -20,6 +20,7 @@ and what passed:
   bf16's precision);
 - lesson 16's tools on NCCL: a Flight Recorder dump of three NCCL all-reduces and a profiler trace with
   ``ProfilerActivity.CUDA`` that shows NCCL's kernels;
+- lesson 15's ``scripts/finetune_lora.py`` under torchrun on NCCL (DDP and FSDP2 over LoRA, the tiny Llama);
 - every lesson's ``%%ddp`` cells that can run on NCCL (no ``--backend gloo`` in force), in order, on NCCL at
   world size 1. A lesson stops at its first error: an error about devices (a CPU tensor on NCCL, tensors on
   two devices) fails the check; any other error (a cell written for several ranks, a name from a notebook
@@ -60,6 +61,7 @@ PLAN = [
     ("DDP hooks", "bf16_compress_hook on NCCL"),
     ("DDP hooks", "bf16_compress_hook with gloo on CUDA tensors"),
     ("debugging", "a Flight Recorder dump and a profiler trace of an NCCL all-reduce (lesson 16)"),
+    ("fine-tuning", "finetune_lora.py on NCCL: DDP, FSDP2 over LoRA (lesson 15)"),
     ("lessons", "%%ddp cells that can run on NCCL: NCCL, world size min(-n, GPUs)"),
     ("lessons", "the same cells at their -n, gloo, every rank's device = cuda:0"),
 ]
@@ -458,6 +460,30 @@ def check_flight_recorder_and_trace(ctx):
                     f"completion time; trace: {', '.join(got['kernels'])[:120]}")
 
 
+# ---- lesson 15's script on NCCL -------------------------------------------------------------------------------
+
+def check_finetune_script(ctx):
+    """scripts/finetune_lora.py, unchanged, under torchrun on NCCL (one rank per GPU, at most 2): DDP over the
+    adapters and FSDP2 over the frozen base (bf16 compute), the tiny Llama, 6 steps each."""
+    import re
+    import subprocess
+
+    ranks = min(2, ctx.gpus)
+    losses, rates = {}, []
+    for strategy in ("ddp", "fsdp"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               str(Path(__file__).resolve().parent / "finetune_lora.py"), "--model", "tiny", "--strategy", strategy,
+               "--steps", "6", "--log-every", "6"] + (["--bf16"] if strategy == "fsdp" else [])
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, f"{strategy}: exit code {result.returncode}: {out.strip()[-400:]}"
+        assert f"{ranks} ranks on cuda" in out, f"{strategy}: the script did not run on the GPUs: {out.strip()[-400:]}"
+        losses[strategy] = float(re.search(r"final_loss=([0-9.]+)", out).group(1))
+        rates += re.findall(r"on cuda: ([0-9,]+) tokens/s, peak memory ([0-9,]+) MiB", out)[:1]
+    return PASSED, (f"{ranks} rank(s): final loss ddp {losses['ddp']:.4f}, fsdp bf16 {losses['fsdp']:.4f}; "
+                    f"rank 0: {rates[0][0]} tokens/s, peak {rates[0][1]} MiB")
+
+
 # ---- the lessons --------------------------------------------------------------------------------------------
 
 def nccl_cells(nb):
@@ -562,7 +588,8 @@ def check_lessons_gloo_cuda(ctx, budget_s=100):
 
 CHECKS = [check_environment, check_nccl_world_1, check_error_on_nccl, check_stuck_on_gpu, check_two_ranks,
           check_gloo_cuda, check_micro_ddp_gloo_cuda, check_micro_ddp_nccl, check_micro_fsdp, check_bf16_nccl,
-          check_bf16_gloo, check_flight_recorder_and_trace, check_lessons_nccl, check_lessons_gloo_cuda]
+          check_bf16_gloo, check_flight_recorder_and_trace, check_finetune_script, check_lessons_nccl,
+          check_lessons_gloo_cuda]
 
 
 # ---- the table ----------------------------------------------------------------------------------------------
