@@ -325,11 +325,13 @@ class MicroFSDP(nn.Module):
             nxt = self._next(unit, +1)
             if nxt is not None:
                 self.start_gather(nxt)
+        self._record("compute start", unit.name)
 
     def post_forward(self, unit, out):
         """After the unit has run: free its gathered parameters, and gather them again when backward arrives."""
         if unit.state == "backward":
             return out
+        self._record("compute end", unit.name)
         self._free(unit)
         if torch.is_grad_enabled():
             self._hook_outputs(unit, out)
@@ -346,12 +348,14 @@ class MicroFSDP(nn.Module):
             prev = self._next(unit, -1)
             if prev is not None and prev.state != "backward":
                 self.start_gather(prev)
+        self._record("compute start", unit.name)
 
     def post_backward(self, unit):
         """Every gradient of the unit is in: reduce-scatter it (fp32, divided by W) and free the full copies."""
         if unit.reduced:
             return
         unit.reduced = True
+        self._record("compute end", unit.name)
         self._wait_reduce()                          # one reduce-scatter in flight at a time
         works = []
         for flat in unit.trainable:
@@ -477,7 +481,9 @@ class MicroFSDP(nn.Module):
 # -- against FSDP2 -------------------------------------------------------------------------------------------
 def race_fully_shard(n_layer=4, n_embd=128, micro_batch_size=8, steps=20):
     """MicroFSDP and FSDP2's ``fully_shard`` on the same tiny GPT, in this run, on every rank of the default group:
-    ``(n_params, {impl: {"bytes": {phase: ring bytes}, "peak": peak_memory(...), "seconds": median step}}, losses)``.
+    ``(n_params, {impl: {"bytes": {phase: ring bytes}, "peak": peak_memory(...), "seconds": median step,
+    "phase_seconds": {phase: median}, "optimizer_tensors": tensors AdamW steps}}, losses)``, for impl in FSDP2,
+    MicroFSDP and "MicroFSDP, no prefetch" (``prefetch=False``).
 
     Used by 13_fsdp_by_hand and benchmarks/fsdp_vs_fully_shard.py. CPU tensors (FSDP2's mesh on "cpu"): call it
     on gloo ranks. Steps are interleaved so that a noisy machine slows both alike; a step lasts as long as its
@@ -505,8 +511,8 @@ def race_fully_shard(n_layer=4, n_embd=128, micro_batch_size=8, steps=20):
 
     def make(kind):
         model = make_gpt(tok.vocab_size, seed=0, n_layer=n_layer, n_embd=n_embd)
-        if kind == "MicroFSDP":
-            model = MicroFSDP(model)
+        if kind.startswith("MicroFSDP"):
+            model = MicroFSDP(model, prefetch=kind == "MicroFSDP")
         else:
             mesh = init_device_mesh("cpu", (ws,))
             for block in model.blocks:
@@ -514,19 +520,24 @@ def race_fully_shard(n_layer=4, n_embd=128, micro_batch_size=8, steps=20):
             fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    runs = {kind: make(kind) for kind in ("FSDP2", "MicroFSDP")}
+    runs = {kind: make(kind) for kind in ("FSDP2", "MicroFSDP", "MicroFSDP, no prefetch")}
     x, y = get_batch(data, 0, rank, micro_batch_size, ws * micro_batch_size)
 
-    def step(model, opt, phases=None):
+    def step(model, opt, phases=None, clock=None):
         opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         with count_collectives() as forward:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        t1 = time.perf_counter()
         with count_collectives() as backward:
             loss.backward()
+        t2 = time.perf_counter()
         with count_collectives() as update:
             opt.step()
         if phases is not None:
             phases.update(forward=forward.sent(), backward=backward.sent(), step=update.sent())
+        if clock is not None:
+            clock.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return loss.detach()
 
     out = {}
@@ -535,17 +546,19 @@ def race_fully_shard(n_layer=4, n_embd=128, micro_batch_size=8, steps=20):
         phases = {}
         losses[kind] = [step(model, opt, phases).item() for _ in range(2)]
         out[kind] = {"bytes": phases, "peak": peak_memory(lambda m=model, o=opt: step(m, o), model, opt)}
-    times = {kind: [] for kind in runs}
+    clocks = {kind: [] for kind in runs}
     for _ in range(steps):
         for kind, (model, opt) in runs.items():
             dist.barrier()
-            t0 = time.perf_counter()
-            step(model, opt)
-            times[kind].append(time.perf_counter() - t0)
-    local = torch.tensor([statistics.median(times[k]) for k in runs], dtype=torch.float64)
+            step(model, opt, clock=clocks[kind])
+    # per phase, the median over steps, then the slowest rank's; the step is the sum of its phases
+    local = torch.tensor([[statistics.median(c[i] for c in clocks[k]) for i in range(3)] for k in runs],
+                         dtype=torch.float64)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    for kind, t in zip(runs, local.tolist()):
-        out[kind]["seconds"] = t
+    for kind, row in zip(runs, local.tolist()):
+        out[kind]["phase_seconds"] = dict(zip(("forward", "backward", "step"), row))
+        out[kind]["seconds"] = sum(row)
+        out[kind]["optimizer_tensors"] = sum(len(g["params"]) for g in runs[kind][1].param_groups)
     n_params = sum(p.numel() for p in make_gpt(tok.vocab_size, seed=0, n_layer=n_layer, n_embd=n_embd).parameters())
     return n_params, out, losses
 
@@ -572,8 +585,9 @@ def checkpoint_blocks(model):
 
 # -- the timeline -----------------------------------------------------------------------------------------
 def plot_fsdp_timeline(events, title="One MicroFSDP step: all-gathers prefetched while units compute"):
-    """Draw what ``MicroFSDP.events`` recorded: forward and backward on top, one row per unit's all-gathers
-    (launch to done) and reduce-scatters, in the style of 07's bucket timeline."""
+    """Draw what ``MicroFSDP.events`` recorded: forward and backward on top, one row per unit with its own compute
+    (thin bars), its all-gathers (launch to done) and reduce-scatters, in the style of 07's bucket timeline: a
+    gather that is done before the unit's compute starts, while another unit computes, was hidden."""
     import matplotlib.pyplot as plt
 
     t0 = next(t for what, _, t in events if what == "forward start")
@@ -589,6 +603,14 @@ def plot_fsdp_timeline(events, title="One MicroFSDP step: all-gathers prefetched
     ax.barh(0, b_end - f_end, left=f_end, color="tab:cyan", label="backward (and loss)")
     labelled = set()
     for row, u in enumerate(units, start=1):
+        starts = [t for what, v, t in ms if what == "compute start" and v == u]
+        ends = [t for what, v, t in ms if what == "compute end" and v == u]
+        pairs = [(max((s for s in starts if s <= e), default=e), e) for e in ends]   # the root's forward never ends
+        for s, e in pairs:
+            label = "its forward" if s < f_end else "its backward"
+            ax.barh(row, max(e - s, 1e-3), left=s, height=0.3, color="tab:blue" if s < f_end else "tab:cyan",
+                    label=f"unit: {label}" if label not in labelled else None)
+            labelled.add(label)
         for start_kind, done_kind, color, label in (("all-gather start", "all-gather done", "tab:orange", "all-gather"),
                                                     ("reduce-scatter start", "reduce-scatter done", "tab:green",
                                                      "reduce-scatter")):
