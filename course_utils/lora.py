@@ -16,9 +16,7 @@ Introduced in 15_fine_tuning_small_cards; scripts/finetune_lora.py uses the same
 - **True size.** ``true_size_peak`` measures the peak of one training step of a 7B-shaped Llama per rank,
   with fake tensors (no memory is allocated), for full fine-tuning or LoRA, DDP or FSDP2, at any world size.
 """
-import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -26,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["TINY", "LLAMA_2_7B", "MISTRAL_7B", "TARGETS", "LoRALinear", "add_lora", "lora_parameter_count",
-           "tiny_tokenizer", "load_model", "quiet_transformers", "pretrain_tiny", "copy_into_peft", "peft_lora_config", "save_adapter",
-           "lora_state_dict", "causal_lm_loss", "finetune_batch", "true_size_peak", "peak_memory", "skip_frozen", "shard_lora", "train_steps"]
+           "tiny_tokenizer", "load_model", "quiet_transformers", "pretrain_tiny", "copy_into_peft",
+           "peft_lora_config", "save_adapter", "lora_state_dict", "causal_lm_loss", "finetune_batch",
+           "true_size_peak", "peak_memory", "skip_frozen", "shard_lora", "train_steps"]
 
 # The tiny Llama of the lesson: 2 decoder layers, grouped-query attention (4 query heads, 2 key/value heads) as
 # Llama 2 70B, Llama 3 and Mistral use; about 0.1M parameters, vocabulary = the corpus's characters.
@@ -177,7 +176,7 @@ def quiet_transformers():
     return transformers
 
 
-# -- (the model and its data, continued) ---------------------------------------------------------------------------------------
+# -- (the model and its data, continued) -------------------------------------------------------------------------
 def tiny_tokenizer():
     """The course's character tokenizer of ``corpus.txt`` (course_utils.gpt.CharTokenizer) and the encoded corpus."""
     from course_utils.gpt import CharTokenizer, load_corpus
@@ -367,8 +366,9 @@ def true_size_peak(config=LLAMA_2_7B, *, lora=True, strategy="fsdp", world_size=
             by = _peak_by_kind(tracker)
         bucket = 4 * n_trainable if strategy == "ddp" else 0      # DDP's fp32 bucket copy, allocated in C++
         kinds = {"parameters": ("Parameter", "Sharded Param", "Unsharded Param"),
-                 "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"), "optimizer_state": ("Optstate", "OptState"),
-                 "activations": ("Activation", "Inputs"), "temporaries": ("Temp", "Other", "All Gather", "Reduce Scatter"),
+                 "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"),
+                 "optimizer_state": ("Optstate", "OptState"), "activations": ("Activation", "Inputs"),
+                 "temporaries": ("Temp", "Other", "All Gather", "Reduce Scatter"),
                  "buffers": ("Buffer",)}
         out = {kind: sum(by.get(k, 0) for k in keys) for kind, keys in kinds.items()}
         out["buffers"] += bucket

@@ -83,7 +83,8 @@ def check_lora_linear(cls):
     y = layer(x)
     want = base(x).detach() + _update(x, layer, ALPHA / R)
     if not torch.allclose(y, want, atol=1e-5, rtol=1e-5):
-        for scale, words in ((1.0, "the scaling alpha / r is missing"), (R / ALPHA, "the scaling is inverted (r / alpha)"),
+        for scale, words in ((1.0, "the scaling alpha / r is missing"),
+                             (R / ALPHA, "the scaling is inverted (r / alpha)"),
                              (float(ALPHA), "the update is scaled by alpha, not alpha / r"),
                              (float(R), "the update is scaled by r, not alpha / r")):
             if torch.allclose(y, base(x).detach() + _update(x, layer, scale), atol=1e-5, rtol=1e-5):
