@@ -52,7 +52,7 @@ def say(text):
     sys.stdout.flush()
 
 
-def train(bug, out, pause):
+def train(bug):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     x, y = torch.randn(64, 8), torch.randn(64, 1)
@@ -66,8 +66,6 @@ def train(bug, out, pause):
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         log = loss.detach().clone()
-        if pause and step == BUG_STEP:
-            time.sleep(pause)                                     # a slow step: where py-spy finds the job
         if bug == "dead" and step == BUG_STEP and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if bug == "mystery":
@@ -120,7 +118,6 @@ def main(argv=None):
     parser.add_argument("--bug", choices=BUGS, default="none")
     parser.add_argument("--timeout", type=float, default=3.0, help="process-group timeout, seconds")
     parser.add_argument("--out", default=None, help="folder for the Flight Recorder dumps")
-    parser.add_argument("--pause", type=float, default=0.0, help="seconds rank 0 sleeps in the buggy step")
     args = parser.parse_args(argv)
     if args.bug == "shape" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         parser.error("--bug shape needs at least 2 ranks")
@@ -134,9 +131,8 @@ def main(argv=None):
             f.write(str(os.getpid()))
     # torchrun stops the other ranks with SIGTERM when one fails: dump on the way out too
     signal.signal(signal.SIGTERM, lambda *_: (dump_flight_recorder(args.out, rank), os._exit(143)))
-    pause = args.pause if rank == 0 else 0.0
     try:
-        train(args.bug, args.out, pause)
+        train(args.bug)
     except Exception as exc:     # a failed collective: say it in one line, dump, and fail
         message = " ".join(str(exc).split())
         say(f"rank {rank}: {type(exc).__name__}: {message}")

@@ -1,5 +1,5 @@
 """course_utils.debugging and course_utils.planted_bugs (16_debugging_and_profiling): every planted bug, run for real
-under torchrun on gloo, is found by the tools the lesson says find it, and each run ends within seconds.
+under torchrun on gloo, is found by the tools the lesson says find it; each planted hang times out after 3 s.
 
     .venv/bin/python -m pytest tests/test_debugging.py -p no:randomly
 """
