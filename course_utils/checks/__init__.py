@@ -24,7 +24,8 @@ frames). Importing from the submodule gives the unwrapped function.
 """
 import functools
 
-MODULES = ("all_reduce", "basics", "comm_hook", "debugging", "fsdp", "grad_avg", "lora", "micro_ddp", "parallel", "zero")
+MODULES = ("all_reduce", "basics", "comm_hook", "debugging", "fsdp", "grad_avg", "lora", "micro_ddp", "parallel",
+           "zero")
 
 _WRAPPED = {}  # name -> wrapped checker, so every import returns the same object
 
