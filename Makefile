@@ -49,10 +49,13 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(TESTS)
 
-# `pytest notebooks` does not load tests/conftest.py, which gives every other run a temporary MICRO_DDP_CACHE:
-# here the recipe does, so lesson 04 never overwrites the learner's ~/.cache/micro-ddp/bandwidth.json.
+# `pytest notebooks` does not load tests/conftest.py, which gives every other run a temporary MICRO_DDP_CACHE and
+# IPython/Jupyter folders: here the recipe does, so lesson 04 never overwrites the learner's
+# ~/.cache/micro-ddp/bandwidth.json and nbval's kernels never read or write ~/.ipython.
 test-baseline-cpu: $(STAMP)
-	cache=$$(mktemp -d) && $(BASELINE_CPU) MICRO_DDP_CACHE=$$cache $(BIN)/python -m pytest $(NOTEBOOKS); \
+	cache=$$(mktemp -d) && $(BASELINE_CPU) MICRO_DDP_CACHE=$$cache IPYTHONDIR=$$cache/ipython \
+		JUPYTER_CONFIG_DIR=$$cache/jupyter JUPYTER_DATA_DIR=$$cache/jupyter JUPYTER_RUNTIME_DIR=$$cache/runtime \
+		MPLCONFIGDIR=$$cache/matplotlib $(BIN)/python -m pytest $(NOTEBOOKS); \
 		rc=$$?; rm -rf "$$cache"; exit $$rc
 
 # On a machine with one or more GPUs (and a CUDA build of torch in $(VENV)): scripts/gpu_check.py starts ranks

@@ -534,13 +534,15 @@ def test_repeated_launches_leak_no_processes_or_fds():
 
 def test_restart_and_shutdown():
     c = Cluster(world_size=2, backend="gloo")
-    old = list(c.pids)
-    c.run("kept = 1")
-    c.restart()
-    assert c.pids != old
-    with pytest.raises(NameError, match="not defined"):
-        c.pull("kept")
-    c.shutdown()
+    try:
+        old = list(c.pids)
+        c.run("kept = 1")
+        c.restart()
+        assert c.pids != old
+        with pytest.raises(NameError, match="not defined"):
+            c.pull("kept")
+    finally:
+        c.shutdown()
     c.shutdown()  # twice is fine
     assert not c.alive
     deadline = time.monotonic() + 10

@@ -172,9 +172,8 @@ def test_export_hides_only_stdout_of_the_other_ranks_and_writes_the_backend(tmp_
 
 
 def test_export_sessions_are_counted_not_ids():
-    a = Cluster(world_size=1, backend="gloo")
-    b = Cluster(world_size=1, backend="gloo")
-    assert a.serial != b.serial and magic._session(a)[0] != magic._session(b)[0]
+    with Cluster(world_size=1, backend="gloo") as a, Cluster(world_size=1, backend="gloo") as b:
+        assert a.serial != b.serial and magic._session(a)[0] != magic._session(b)[0]
 
 
 # -- learner's view -------------------------------------------------------------------------------

@@ -215,7 +215,9 @@ def test_baseline_cpu_target_forces_the_instruction_set_down(tmp_path):
             "def test_isa():\n"
             f"    assert {{k: os.environ.get(k) for k in {sorted(BASELINE_CPU)!r}}} == {BASELINE_CPU!r}\n"
             "    assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'\n"
-            f"    open({str(tmp_path / 'cache.txt')!r}, 'w').write(os.environ['MICRO_DDP_CACHE'])\n")
+            f"    open({str(tmp_path / 'cache.txt')!r}, 'w').write(os.environ['MICRO_DDP_CACHE'])\n"
+            "    for var in ('IPYTHONDIR', 'JUPYTER_CONFIG_DIR', 'JUPYTER_DATA_DIR', 'JUPYTER_RUNTIME_DIR'):\n"
+            "        assert os.environ[var].startswith(os.environ['MICRO_DDP_CACHE']), var  # nbval's kernels\n")
     run = _make("test-baseline-cpu", f"NOTEBOOKS={_tests_dir(tmp_path, body)}", env={"MICRO_DDP_CACHE": ""},
                 timeout=300)
     assert run.returncode == 0 and "1 passed" in run.stdout, (
