@@ -189,7 +189,7 @@ def odd_one_out(folder):
     return None
 
 
-def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy=False, out=None, limit=90):
+def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy=False, out=None, limit=300):
     """Run ``torchrun --nproc-per-node nproc -m course_utils.planted_bugs --bug bug`` on loopback and return a
     ``Job``. ``debug``: ``TORCH_DISTRIBUTED_DEBUG`` (OFF, INFO, DETAIL); ``flight_recorder``: set
     ``TORCH_FR_BUFFER_SIZE=2000``; ``timeout``: the process group's, in seconds; ``spy``: when every rank has
