@@ -8,8 +8,8 @@ Introduced in 13_fsdp_by_hand (and used again in 15_fine_tuning_small_cards). Th
 by kind, exactly as it does for real tensors. A 6.74B-parameter model takes a few seconds.
 
 What fake tensors measure right, checked against real tensors at small scale in the lesson: parameters,
-gradients, activations, the buffers FSDP2 gathers and reduces, and the optimizer state of the for-loop
-AdamW (``foreach=False``). What they do not: see ``FOREACH_NOTE``. What no tensor meter sees at all: the
+gradients, activations, the buffers FSDP2 gathers and reduces, and the optimizer's state and temporaries
+once the state exists. What they do not: see ``FOREACH_NOTE``. What no tensor meter sees at all: the
 CUDA context, the allocator's fragmentation and cached blocks, NCCL's buffers and kernels' workspaces.
 """
 import contextlib
@@ -25,11 +25,9 @@ GB = 1e9
 GiB = 2 ** 30
 
 FOREACH_NOTE = (
-    "Under FakeTensorMode, FSDP2's DTensor parameters and foreach=True AdamW, MemTracker counts one new\n"
-    "shard-sized buffer per foreach op of the step (9 shards in all where real tensors hold 3: the two\n"
-    "moments and one sqrt temporary), because the fake outputs of in-place foreach ops on DTensors reach\n"
-    "the tracker as new storages. The for-loop AdamW (foreach=False) is measured right under fake tensors,\n"
-    "so the true-size runs use it, and foreach's real cost is measured with real tensors at small scale."
+    "Under FakeTensorMode, the step in which AdamW creates its state on FSDP2's DTensor parameters is overcounted\n"
+    "(9 parameter shards where real tensors hold 3 with foreach=True, at 232M parameters); later steps agree with\n"
+    "real tensors. measure_step therefore runs one step before its tracker starts (warmup=True)."
 )
 
 
@@ -149,7 +147,7 @@ def _restart_peak(tracker):
 
 
 def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, micro_batch_size=1, seq_len=512,
-                 checkpoint=False, foreach=False, modify=None, fake=True):
+                 checkpoint=False, foreach=False, modify=None, fake=True, warmup=True):
     """Peak memory of rank 0 in each phase of one AdamW training step of ``shape``, in bytes by kind.
 
     ``strategy``: ``"fsdp2"`` (``fully_shard`` per block and at the root, measured by ``FSDPMemTracker``) or
@@ -160,6 +158,8 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
     ``modify(model)``: called on the meta model before sharding (freeze a base, add adapters, ...).
     ``fake=False``: real tensors instead (same fake world, so the values are meaningless, the bytes real): the
     check that the fake run measures what a real one would, at a size that fits this machine.
+    ``warmup=False``: measure the very first step, the one in which AdamW creates its state (by default one step
+    runs before the tracker starts, as in training every step but the first).
 
     Returns ``{"forward": kinds, "backward": kinds, "step": kinds, "n_params": ..., "n_trainable": ...,
     "seconds": ...}``; each ``kinds`` is the phase's peak with its breakdown at that moment.
@@ -208,11 +208,12 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
                     logits = model(idx)
                 return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
 
-            loss = forward()                       # a first step outside the tracker: AdamW makes its state
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del loss
+            if warmup:
+                loss = forward()                   # a first step outside the tracker: AdamW makes its state
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del loss
             if strategy == "fsdp2":
                 tracker = FSDPMemTracker(model, optimizer)
             else:

@@ -1,0 +1,89 @@
+"""course_utils.true_size (13_fsdp_by_hand): a real-size model's training memory, measured with fake tensors; and
+memory.collective_scratch_bytes, gloo's own buffers.
+
+    .venv/bin/python -m pytest tests/test_true_size.py -p no:randomly
+"""
+import sys
+import warnings
+
+import pytest
+import torch.distributed as dist
+
+from course_utils.true_size import (ARTICLE_14GB, LLAMA2_7B, MISTRAL_7B, LlamaShape, LlamaShaped, fake_world,
+                                    measure_step, replica_strategies, step_peak)
+
+from conftest import register_by_value  # noqa: E402
+
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+warnings.filterwarnings("ignore", message="DTensor random operators")
+
+TINY = LlamaShape("tiny", vocab_size=300, d_model=128, n_layer=2, d_ff=344, n_head=4, n_kv_head=2)
+
+
+def test_published_shapes_have_their_published_parameter_counts():
+    # Llama 2 7B: 6,738,415,616 parameters (the model card's 6.7B); Mistral 7B v0.1: 7,241,732,096
+    assert LLAMA2_7B.n_params == 6_738_415_616
+    assert MISTRAL_7B.n_params == 7_241_732_096
+    assert abs(16 * ARTICLE_14GB.n_params / 1e9 - 14) < 0.1, "the article's model holds 14 GB of fp32 AdamW state"
+    import torch
+    with torch.device("meta"):
+        for shape in (TINY, LlamaShape("gqa", 500, 256, 3, 688, 8, 2)):
+            assert sum(p.numel() for p in LlamaShaped(shape).parameters()) == shape.n_params, shape
+
+
+@pytest.mark.parametrize("setup", [dict(strategy="fsdp2", world_size=2), dict(strategy="fsdp2", world_size=4,
+                                   mixed_precision=True), dict(strategy="replica", checkpoint=True)])
+def test_fake_tensors_measure_what_real_tensors_do(setup):
+    fake = measure_step(TINY, seq_len=32, **setup)
+    real = measure_step(TINY, seq_len=32, fake=False, **setup)
+    for phase in ("forward", "backward", "step"):
+        assert fake[phase] == real[phase], (setup, phase, fake[phase], real[phase])
+    assert fake["step"]["total"] > 0 and fake["n_params"] == TINY.n_params
+
+
+def test_fsdp2_shards_the_state_and_the_replica_keeps_it_whole():
+    one = measure_step(TINY, strategy="replica", seq_len=32)
+    n = TINY.n_params
+    assert one["step"]["parameters"] >= 4 * n and one["step"]["optimizer_state"] >= 8 * n, one["step"]
+    for W in (2, 4):
+        r = measure_step(TINY, strategy="fsdp2", world_size=W, seq_len=32)
+        state = r["step"]["optimizer_state"]
+        # the moments, plus the for-loop AdamW's temporaries: three of the largest shard (and the step counters)
+        largest = 4 * TINY.d_model * TINY.d_ff / W
+        assert 8 * n / W <= state <= 8 * n / W + 3 * largest + 4096, (W, state)
+        assert step_peak(r)[0] < step_peak(one)[0], W
+    counted = replica_strategies(one, 2)
+    assert counted["DDP"] > counted["ZeRO-1"] > counted["ZeRO-2"], counted
+
+
+def test_the_fake_world_refuses_a_process_that_already_has_a_group():
+    with fake_world(2):
+        with pytest.raises(RuntimeError, match="not a %%ddp cell"):
+            with fake_world(2):
+                pass
+    assert not dist.is_initialized(), "fake_world destroys its group"
+
+
+def test_an_unknown_strategy_says_which_exist():
+    with pytest.raises(ValueError, match="'fsdp2' or 'replica'"):
+        measure_step(TINY, strategy="ddp")
+    assert not dist.is_initialized()
+
+
+def gloo_scratch():
+    import torch
+    import torch.distributed as dist
+    from course_utils.memory import collective_scratch_bytes
+    size = 64 * 2**20
+    full, shard = torch.ones(size // 4), torch.ones(size // 4 // dist.get_world_size())
+    return {op: collective_scratch_bytes(fn) / size for op, fn in (
+        ("all-gather", lambda: dist.all_gather_single(full, shard)),
+        ("reduce-scatter", lambda: dist.reduce_scatter_single(shard, full)),
+        ("all-reduce", lambda: dist.all_reduce(full)))}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_gloo_holds_one_copy_for_gather_and_scatter_and_none_for_all_reduce(make_cluster):
+    for copies in make_cluster(2, timeout=120).run(gloo_scratch):
+        assert round(copies["all-gather"]) == 1 and round(copies["reduce-scatter"]) == 1, copies
+        assert round(copies["all-reduce"]) == 0, copies
