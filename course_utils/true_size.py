@@ -14,6 +14,7 @@ CUDA context, the allocator's fragmentation and cached blocks, NCCL's buffers an
 """
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -193,7 +194,10 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             model.to_empty(device="cpu")
             if not fake:
-                with torch.no_grad():
+                # Real values are only there to be stepped, never compared, so DTensor's warning that its random
+                # ops may not match a GPU mesh's on a CPU mesh says nothing here (and it printed the venv's path).
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
                     for p in model.parameters():
                         p.normal_(0, 0.02)
             trainable = [p for p in model.parameters() if p.requires_grad]

@@ -77,6 +77,24 @@ def parse_args(argv=None):
     return args
 
 
+def attempt_store():
+    """The store for this attempt's process group, or None for init_process_group's own (env://).
+
+    Since torch 2.5 the workers of a torchrun job use the agent's store (TORCHELASTIC_USE_AGENT_STORE=True), and
+    that store outlives a restart with every key the failed attempt wrote. A restarted rank could read the dead
+    rank 0's gloo (or NCCL) address from the first attempt before the new rank 0 writes its own, and fail with
+    "Connection refused" (seen here 1 run in a few under load; pytorch/pytorch#135712). Each attempt gets its own
+    key prefix, from the restart count torchrun gives every rank of the job.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
 def setup():
     """Process group and device: NCCL with one GPU per local rank, else gloo on the CPU."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -86,11 +104,15 @@ def setup():
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        backend, kw = "nccl", {"device_id": device}
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+        backend, kw = "gloo", {}
+    store = attempt_store()
+    if store is not None:
+        kw.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, **kw)
     return device
 
 

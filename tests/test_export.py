@@ -202,7 +202,10 @@ def test_an_exported_ddp_cell_frees_its_group_before_the_interpreter_ends(tmp_pa
 def test_an_exported_torchrun_style_cell_runs_and_keeps_the_group(tmp_path):
     """A cell that calls init_process_group and destroy_process_group itself (lesson 00's demo_basic) failed in
     the script with "trying to initialize the default process group twice!"."""
-    out = _run_exported(tmp_path, [TORCHRUN_STYLE, "t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())"])
+    # One write per line: the two ranks share torchrun's unbuffered stdout, and print()'s separate writes of
+    # "sum", " ", "2.0" and "\n" interleaved as "sumsum  2.02.0" in CI.
+    sum_cell = "import sys\nt = torch.ones(1)\ndist.all_reduce(t)\nsys.stdout.write(f'sum {t.item()}\\n')"
+    out = _run_exported(tmp_path, [TORCHRUN_STYLE, sum_cell])
     for r in (0, 1):
         assert f"Finished running basic DDP example on rank {r}." in out, out[-3000:]
     assert out.count("sum 2.0") == 2, out[-3000:]

@@ -98,3 +98,43 @@ def test_resume_without_a_checkpoint_dir_is_refused():
 
     proc = subprocess.run([sys.executable, str(SCRIPT), "--resume"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and "--resume needs --checkpoint-dir" in proc.stderr, proc.stderr
+
+
+RESTARTED = '''
+import importlib.util, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+
+spec = importlib.util.spec_from_file_location("finetune_lora", sys.argv[1])
+finetune_lora = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(finetune_lora)
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 0:
+    time.sleep(2)  # the restarted rank 0 is slow to start: rank 1 meets the first attempt's keys alone
+store = finetune_lora.attempt_store() if sys.argv[2] == "prefixed" else None
+kw = {} if store is None else {"store": store, "rank": rank, "world_size": int(os.environ["WORLD_SIZE"])}
+dist.init_process_group("gloo", timeout=timedelta(seconds=60), **kw)
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"attempt {attempt} rank {rank} sum {t.item()}", flush=True)
+if attempt == 0 and rank == 1:
+    os._exit(3)  # the crash: torchrun restarts both ranks
+dist.barrier() if attempt else time.sleep(30)
+dist.destroy_process_group()
+'''
+
+
+def test_a_restarted_attempt_never_reads_the_failed_attempts_addresses(tmp_path):
+    """CI failed the crash-and-resume test with "Connection refused": torchrun's agent store keeps the failed
+    attempt's keys across a restart, and restarted rank 1 dialled the dead rank 0's gloo address. With
+    ``attempt_store`` each attempt has its own prefix. (Without it, "plain" below fails this way 3 runs in 3 here.)"""
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    proc = start_torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", script=script,
+                          script_args=[SCRIPT, "prefixed"])
+    try:
+        out = finish(proc, "a restarted 2-rank job with attempt_store", timeout=300)
+    finally:
+        kill_process_group(proc)
+    for r in (0, 1):
+        assert f"attempt 1 rank {r} sum 2.0" in out, out[-3000:]

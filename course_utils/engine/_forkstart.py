@@ -162,12 +162,44 @@ def restart(reason):
         if _state["ctx"] is not None and not _state["restarted"]:
             _state["restarted"] = True
             try:
+                _reap_dying_server()
                 _ensure_running()
                 return _state["ctx"]
             except Exception as exc:
                 reason = f"{reason}; a new one did not start either ({type(exc).__name__}: {exc})"
         _state["ctx"], _state["failed"] = None, f"it stopped ({reason})"
     return context()
+
+
+def _reap_dying_server(wait_s=2.0):
+    """Before a restart: reap the server that failed a fork if it is dying. A killed server with threads (its
+    watchdog) shows as a zombie before its last thread has exited, and until then waitpid(WNOHANG) returns 0:
+    multiprocessing's ensure_running then takes it for alive, keeps its dead address, and the retried fork fails
+    too (CI saw "EOFError: unexpected EOF" and a fallback after one death). A server still alive after ``wait_s``
+    is left to ensure_running, which keeps it: killing it would end the ranks of other clusters."""
+    import time
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid  # reaped already (not by multiprocessing): forget it all the same
+        if done:
+            break
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+    # what ensure_running does for a server it finds dead, without its waitpid (this one is reaped now)
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
 
 
 def stop():
