@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_utils.memory import skip_frozen  # noqa: F401  (a name of this module since lesson 15)
+
 __all__ = ["TINY", "LLAMA_2_7B", "MISTRAL_7B", "TARGETS", "LoRALinear", "add_lora", "lora_parameter_count",
            "tiny_tokenizer", "load_model", "quiet_transformers", "pretrain_tiny", "copy_into_peft",
            "peft_lora_config", "save_adapter", "lora_state_dict", "causal_lm_loss", "finetune_batch",
@@ -244,22 +246,6 @@ def pretrain_tiny(path, steps=150, batch_size=16, lr=3e-3, seed=0, progress=None
 
 
 # -- peak memory with frozen parameters ---------------------------------------------------------------------------
-class _NoHandle:
-    def remove(self):
-        pass
-
-
-def skip_frozen(tracker, *modules):
-    """Let torch's ``MemTracker`` (or ``FSDPMemTracker``) track a model with frozen parameters: in torch 2.13 it
-    registers a gradient hook on every parameter it meets, and ``register_hook`` refuses a tensor that does not
-    require grad. The frozen ones get a placeholder handle, so the tracker counts them as parameters and hooks
-    only the trainable ones. Call it after building the tracker, before entering it."""
-    for module in modules:
-        for p in module.parameters():
-            if not p.requires_grad:
-                tracker._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
-
-
 def _peak_by_kind(tracker):
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     return {getattr(k, "value", k): int(v) for k, v in snap.items()}

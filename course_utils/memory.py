@@ -317,3 +317,19 @@ def collective_scratch_bytes(collective):
     dist.barrier()
     collective()
     return max(0, _proc_status("VmHWM") - before)
+
+
+class _NoHandle:
+    def remove(self):
+        pass
+
+
+def skip_frozen(tracker, *modules):
+    """Let torch's ``MemTracker`` (or ``FSDPMemTracker``) track a model with frozen parameters: in torch 2.13 it
+    registers a gradient hook on every parameter it meets, and ``register_hook`` refuses a tensor that does not
+    require grad. The frozen ones get a placeholder handle, so the tracker counts them as parameters and hooks
+    only the trainable ones. Call it after building the tracker, before entering it."""
+    for module in modules:
+        for p in module.parameters():
+            if not p.requires_grad:
+                tracker._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_utils.memory import _step_peak_tracker, skip_frozen
+
 GB = 1e9
 GiB = 2 ** 30
 
@@ -167,7 +169,6 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.checkpoint import checkpoint as ckpt
 
@@ -221,8 +222,9 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
             if strategy == "fsdp2":
                 tracker = FSDPMemTracker(model, optimizer)
             else:
-                tracker = MemTracker()
+                tracker = _step_peak_tracker()         # MemTracker without its per-module peaks: same global peak
                 tracker.track_external(model, optimizer)
+            skip_frozen(tracker, model)                # a frozen base (LoRA): no gradient hook on it
             with tracker:
                 loss = forward()
                 phases["forward"] = _kinds(tracker.get_tracker_snapshot("peak"))
