@@ -33,7 +33,8 @@ course_utils.gpt), plus the root, which holds everything else (embeddings, final
 - **Prefetch.** While unit i runs forward, unit i+1's all-gather is already in flight (async);
   in backward, the unit before it. ``events = []`` records a timeline (``plot_fsdp_timeline``).
 - **Real models.** Frozen parameters go into a second flat group per unit, gathered but never
-  reduced. A parameter used by two units (a tied weight across units) goes to the root; a tied
+  reduced; such a unit is freed in backward only once its input's gradient is computed too (a LoRA
+  layer's frozen norm and base projections run backward after A's and B's gradients are in). A parameter used by two units (a tied weight across units) goes to the root; a tied
   weight inside one unit (an embedding tied to the head, both in the root, as in GPT-2 and in the
   checker's model; the course's tiny GPT has a separate head) is stored once and its two gradients
   are summed by autograd before the hook sees them. A model without ``.blocks`` needs ``units=``
@@ -192,6 +193,8 @@ class Unit:
         self.state = "idle"          # "forward" after its pre-forward, "backward" after its pre-backward
         self.pending = None          # (works, inputs) of an all-gather in flight
         self.reduced = False         # its gradients have left in this backward
+        self.holding = False         # frozen weights still needed by backward (see MicroFSDP.post_forward)
+        self.free_later = False      # post_backward left the free to _input_done
 
     @property
     def trainable(self):
@@ -269,6 +272,7 @@ class MicroFSDP(nn.Module):
         for unit in self.units[:-1]:
             self._handles.append(unit.module.register_forward_pre_hook(lambda m, a, u=unit: self.pre_forward(u)))
             self._handles.append(unit.module.register_forward_hook(lambda m, a, out, u=unit: self.post_forward(u, out)))
+            self._handles.append(unit.module.register_forward_hook(lambda m, a, out, u=unit: self._hold_for(u, a)))
         for unit in self.units:
             for flat in unit.trainable:
                 for view in flat.views:
@@ -368,6 +372,28 @@ class MicroFSDP(nn.Module):
                 view.grad = None                     # the full-size gradient is gone
         self._in_flight = (unit, works)
         if unit is not self.root or self.reshard_root:
+            if unit.holding:                         # frozen weights still needed: freed by _input_done
+                unit.free_later = True
+            else:
+                self._free(unit)
+
+    def _hold_for(self, unit, args):
+        """A unit with frozen parameters (a LoRA layer: its base frozen, A and B trainable) may still need its
+        weights after its last trainable gradient is in: backward goes on through the frozen ops before A and B
+        (the norm, the base projection) to the unit's input. post_backward then leaves the free to
+        ``_input_done``, which a multi-grad hook calls once the gradients of the unit's inputs are computed."""
+        if unit.state == "backward" or not torch.is_grad_enabled():
+            return
+        inputs = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+        unit.holding = bool(inputs) and any(not f.requires_grad for f in unit.flats)
+        if unit.holding:
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads, u=unit: self._input_done(u))
+
+    def _input_done(self, unit):
+        """The gradient of a holding unit's input is computed: backward is done with its frozen weights."""
+        unit.holding = False
+        if unit.free_later:
+            unit.free_later = False
             self._free(unit)
 
     # -- plumbing -------------------------------------------------------------------------------------
@@ -444,7 +470,7 @@ class MicroFSDP(nn.Module):
     def _reset(self):
         self._queued, self._in_flight, self._seen = False, None, []
         for unit in self.units:
-            unit.state, unit.reduced, unit.ready = "idle", False, 0
+            unit.state, unit.reduced, unit.ready, unit.holding, unit.free_later = "idle", False, 0, False, False
 
     def _record(self, what, unit=None):
         if self.events is not None:

@@ -206,3 +206,41 @@ def test_checkpointed_names_blocks_warning_and_non_element_wise_optimizers(clust
     assert unchanged, "Adafactor: refused before it changed a shard"
     assert len(r["unknown"]) == 1 and "cannot tell whether Unknown is element-wise" in r["unknown"][0], r["unknown"]
     assert r["plain_adafactor"]
+
+
+def _lora_ddp_against_micro_fsdp(steps=4):
+    """A tiny transformers Llama with LoRA on q_proj and v_proj (the base frozen), trained by DDP and by MicroFSDP
+    (one unit per decoder layer) from the same weights: their losses, and whether each unit was freed."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.fsdp import MicroFSDP
+    from course_utils.lora import add_lora, load_model, tiny_tokenizer, train_steps
+
+    torch.set_num_threads(1)
+    _, data = tiny_tokenizer()
+    out = {}
+    for kind in ("ddp", "micro_fsdp"):
+        model = add_lora(load_model("tiny", seed=0), ("q_proj", "v_proj"), r=4, alpha=8)
+        if kind == "ddp":
+            model = DDP(model)
+        else:
+            model = MicroFSDP(model, units=list(model.model.layers))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        out[kind] = train_steps(model, optimizer, data, 0, steps, global_batch_size=8, block_size=32)
+        if kind == "micro_fsdp":
+            out["left_gathered"] = model.gathered_bytes()
+    out["world_size"] = dist.get_world_size()
+    return out
+
+
+def test_micro_fsdp_over_a_frozen_base_trains_as_ddp_over_lora(cluster):
+    """Lesson 15: a LoRA layer's frozen norm and base projection still need their weights after A's and B's
+    gradients are in (backward goes on to the layer's input). MicroFSDP freed them at the last trainable gradient,
+    and backward then read a freed buffer; it now waits for the input's gradient in a unit with frozen weights."""
+    results = cluster.run(_lora_ddp_against_micro_fsdp)
+    r = results[0]
+    assert max(abs(a - b) for a, b in zip(r["ddp"], r["micro_fsdp"])) < 1e-5, r
+    assert r["micro_fsdp"][-1] < r["micro_fsdp"][0], f"the loss must fall: {r['micro_fsdp']}"
+    assert all(x["left_gathered"] == 0 for x in results), "every unit freed once backward is done"

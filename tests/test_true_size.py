@@ -87,3 +87,32 @@ def test_gloo_holds_one_copy_for_gather_and_scatter_and_none_for_all_reduce(make
     for copies in make_cluster(2, timeout=120).run(gloo_scratch):
         assert round(copies["all-gather"]) == 1 and round(copies["reduce-scatter"]) == 1, copies
         assert round(copies["all-reduce"]) == 0, copies
+
+
+def _lora_over_bf16_base(model):  # as 15_fine_tuning_small_cards's true-size cell
+    import torch
+
+    from course_utils.lora import add_lora
+
+    model.to(torch.bfloat16)
+    add_lora(model, targets=("q_proj", "v_proj"), r=4, alpha=8)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+
+
+@pytest.mark.parametrize("setup", [dict(strategy="replica"), dict(strategy="fsdp2", world_size=2,
+                                                                    mixed_precision=True)])
+def test_a_frozen_base_with_adapters_is_measured_as_real_tensors_are(setup):
+    """Lesson 15's true-size table: measure_step with a frozen bf16 base (MemTracker refused frozen parameters
+    before skip_frozen) measures the bytes real tensors hold, and only the adapters get gradients and state."""
+    fake = measure_step(TINY, seq_len=32, checkpoint=True, modify=_lora_over_bf16_base, **setup)
+    real = measure_step(TINY, seq_len=32, checkpoint=True, modify=_lora_over_bf16_base, fake=False, **setup)
+    for phase in ("forward", "backward", "step"):
+        assert fake[phase] == real[phase], (setup, phase, fake[phase], real[phase])
+    adapters = TINY.n_layer * 4 * (2 * TINY.d_model + TINY.n_kv_head * TINY.d_model // TINY.n_head + TINY.d_model)
+    assert fake["n_trainable"] == adapters, (fake["n_trainable"], adapters)
+    W = setup.get("world_size", 1)
+    assert fake["backward"]["gradients"] <= 4 * adapters, "a frozen base must get no gradient"
+    assert fake["step"]["optimizer_state"] <= 4 * (2 + 3) * adapters / W + 1024, "AdamW's state: the adapters' only"
+    assert fake["step"]["parameters"] >= 2 * (TINY.n_params / W), "the base is kept, in bf16"

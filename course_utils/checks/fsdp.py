@@ -176,6 +176,8 @@ def _watch_post_backward(model, found):
         held = sum(f.full.untyped_storage().nbytes() for f in unit.flats)
         grads = sum(v.grad.numel() * v.grad.element_size() for f in unit.trainable for v in f.views
                     if v.grad is not None)
+        if held and getattr(unit, "holding", False):
+            return result  # frozen weights still needed by backward (a LoRA layer): checked when its input's is in
         if held:
             found.append(f"unit {unit.name} still holds its gathered weights ({held} bytes) after its reduce-scatter: "
                          "free them in post_backward (flat.free() for each of unit.flats, the root excepted), or "
@@ -188,6 +190,20 @@ def _watch_post_backward(model, found):
         return result
 
     model.post_backward = post_backward
+    input_done = getattr(model, "_input_done", None)
+    if input_done is None:
+        return
+
+    def after_input(unit):  # MicroFSDP's deferred free: backward has left a unit with frozen weights
+        result = input_done(unit)
+        held = sum(f.full.untyped_storage().nbytes() for f in unit.flats)
+        if unit.reduced and unit is not root and held and not found:
+            found.append(f"unit {unit.name} still holds its gathered weights ({held} bytes) after its reduce-scatter "
+                         "and its input's gradient: free them in post_backward (flat.free() for each of unit.flats, "
+                         "the root excepted), or every unit stays gathered until backward ends and memory is not 1/W.")
+        return result
+
+    model._input_done = after_input
 
 
 def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", compute_dtype=torch.float32,
