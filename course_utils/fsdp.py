@@ -35,8 +35,8 @@ course_utils.gpt), plus the root, which holds everything else (embeddings, final
 - **Real models.** Frozen parameters go into a second flat group per unit, gathered but never
   reduced; such a unit is freed in backward only once its input's gradient is computed too (a LoRA
   layer's frozen norm and base projections run backward after A's and B's gradients are in). A
-  parameter used by two units (a tied weight across units) goes to the root; a tied weight inside one unit (an embedding tied to the head, both in the root, as in GPT-2 and in the
-  checker's model; the course's tiny GPT has a separate head) is stored once and its two gradients
+  parameter used by two units (a tied weight across units) goes to the root; a tied weight inside
+  one unit (an embedding tied to the head, both in the root, as in GPT-2 and in the checker's model; the course's tiny GPT has a separate head) is stored once and its two gradients
   are summed by autograd before the hook sees them. A model without ``.blocks`` needs ``units=``
   (without it everything is one unit, gathered from forward to the end of backward: a warning says
   so). Sizes that do not divide by W are padded. **Gradient accumulation** reduce-scatters after
