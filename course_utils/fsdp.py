@@ -32,19 +32,19 @@ course_utils.gpt), plus the root, which holds everything else (embeddings, final
   fp32, and gradients are cast to fp32 before the division and the reduce-scatter.
 - **Prefetch.** While unit i runs forward, unit i+1's all-gather is already in flight (async);
   in backward, the unit before it. ``events = []`` records a timeline (``plot_fsdp_timeline``).
-- **Real models.** Frozen parameters go into a second flat group per unit, gathered but never
-  reduced; such a unit is freed in backward only once its input's gradient is computed too (a LoRA
-  layer's frozen norm and base projections run backward after A's and B's gradients are in). A
-  parameter used by two units (a tied weight across units) goes to the root; a tied weight inside
-  one unit (an embedding tied to the head, both in the root, as in GPT-2 and in the checker's model; the course's tiny GPT has a separate head) is stored once and its two gradients
-  are summed by autograd before the hook sees them. A model without ``.blocks`` needs ``units=``
-  (without it everything is one unit, gathered from forward to the end of backward: a warning says
-  so). Sizes that do not divide by W are padded. **Gradient accumulation** reduce-scatters after
-  every backward and *adds* into the shard's ``.grad``: memory stays at 1/W, at the cost of one
-  reduce-scatter per micro-batch
-  (FSDP2's ``set_requires_gradient_sync(False)`` makes the other choice: unsharded gradients,
-  full size, kept until the last micro-batch). ``full_state_dict()`` gathers the fp32 parameters
-  by their original names (a ``Checkpointed`` wrapper's ``.block`` left out), for evaluation and checkpoints.
+- **Real models.** Frozen parameters go into a second flat group per unit, gathered but never reduced; such
+  a unit is freed in backward only once its input's gradient is computed too (a LoRA layer's frozen norm and
+  base projections run backward after A's and B's gradients are in). A parameter used by two units (a tied
+  weight across units) goes to the root; a tied weight inside one unit (an embedding tied to the head, both
+  in the root, as in GPT-2 and in the checker's model; the course's tiny GPT has a separate head) is stored
+  once and its two gradients are summed by autograd before the hook sees them. A model without ``.blocks``
+  needs ``units=`` (without it everything is one unit, gathered from forward to the end of backward: a
+  warning says so). Sizes that do not divide by W are padded. **Gradient accumulation** reduce-scatters
+  after every backward and *adds* into the shard's ``.grad``: memory stays at 1/W, at the cost of one
+  reduce-scatter per micro-batch (FSDP2's ``set_requires_gradient_sync(False)`` makes the other choice:
+  unsharded gradients, full size, kept until the last micro-batch). ``full_state_dict()`` gathers the fp32
+  parameters by their original names (a ``Checkpointed`` wrapper's ``.block`` left out), for evaluation and
+  checkpoints.
 """
 import time
 import warnings
