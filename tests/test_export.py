@@ -114,7 +114,7 @@ DDP_ADAMW = ("import torch\nfrom torch.nn.parallel import DistributedDataParalle
              "for step in range(3):\n"
              "    loss = model(torch.randn(8, 16)).pow(2).mean()\n"
              "    optimizer.zero_grad()\n    loss.backward()\n    optimizer.step()\n"
-             "print('trained', rank)")
+             "print(f'trained {rank}')")  # one write: the ranks share torchrun's unbuffered stdout
 
 TORCHRUN_STYLE = '''import os
 import torch
