@@ -545,11 +545,10 @@ def _resume_at_4_ranks(compressor, keep_layout):
     return max((a - b).abs().max().item() for a, b in zip(straight, resumed))
 
 
-def test_resume_at_4_ranks_is_bit_exact_only_with_the_bucket_order(cluster4):
-    """Issue 23: at 4 ranks the bucket layout fixes gloo's summation order (and PowerSGD's message layout), so
-    a resumed PowerSGD run equals the uninterrupted one to the last bit only if the checkpoint keeps the
-    rebuilt bucket order."""
+def test_resume_at_4_ranks_with_the_bucket_order_is_bit_exact(cluster4):
+    """Issue 23: at 4 ranks the bucket layout can fix gloo's summation order (and PowerSGD's message layout), so
+    the checkpoint keeps the rebuilt bucket order, and a resumed PowerSGD run then equals the uninterrupted one
+    to the last bit. (Without it, this small model's one bucket came out bit-identical too, in every run of
+    this stop's CI and here: the layout does not change gloo's sums at this size, so no test claims it does.)"""
     kept = cluster4.run(_resume_at_4_ranks, "powersgd", True)
     assert kept == [0.0] * 4, f"with the saved bucket order the resumed run must be bit-identical: {kept}"
-    lost = cluster4.run(_resume_at_4_ranks, "powersgd", False)[0]
-    assert lost > 0, "without it the resumed run rebuilds its own buckets, which should change the last bits here"
