@@ -98,11 +98,11 @@ class Job:
             return "torchrun: every rank finished (exit code 0)"
         if not self.failures:
             return f"torchrun: exit code {self.returncode}, no failure summary"
-        if len({c for _, c in self.failures}) == 1:
-            ranks = ", ".join(str(r) for r, _ in sorted(self.failures))
-            return (f"torchrun: ranks {ranks} all failed with exit code {self.failures[0][1]} (the 'root cause' "
-                    "it names is whichever exited first)")
         rank, code = self.failures[0]
+        if code > 0:  # an error of the rank's own (a timed-out collective): the others fail alike, or torchrun
+            # stops them first (SIGTERM); which of the two depends on the machine's timing, so neither is named
+            return (f"torchrun: exit code {code}, the ranks' own errors (the 'root cause' it names is whichever "
+                    "exited first)")
         how = f"signal {_SIGNALS.get(code, -code)}" if code < 0 else f"exit code {code}"
         return f"torchrun: root cause rank {rank}, {how}; it then stopped the other ranks"
 
