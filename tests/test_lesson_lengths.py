@@ -1,0 +1,76 @@
+"""Each lesson states how long its main path takes; the statement must follow the lesson's length, and lessons 00-11
+fit one sitting (issue 31: 60-75 minutes). The estimate is one rule for every lesson, the README's: 100 words of
+prose and 8 lines of code a minute (reading, predicting, running, looking at the output), plus 5 minutes an
+exercise, counted up to "Going further"."""
+import re
+
+import nbformat
+import pytest
+
+from exercise_helpers import NOTEBOOKS
+
+WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 100, 8, 5
+ONE_SITTING = 75        # minutes: lessons 00-11 fit it
+SLACK = 10              # minutes: how far a stated time may sit from the estimate
+LESSONS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+STATED = re.compile(r"\*\*(?:Estimated time|Time):?\*\*:? about (\d+)(?:-(\d+))? minutes")
+GOING_FURTHER = re.compile(r"^#+ .*Going further", re.M)
+
+
+def estimate(path):
+    """(minutes, words, code lines, exercises) of the main path of the lesson at ``path``."""
+    words = code = exercises = 0
+    in_exercises = False
+    for cell in nbformat.read(path, as_version=4).cells:
+        text = cell.source
+        if cell.cell_type != "markdown":
+            code += sum(1 for line in text.splitlines() if line.strip())
+            continue
+        end = GOING_FURTHER.search(text)
+        if end:
+            words += len(text[:end.start()].split())
+            break
+        for line in text.splitlines():
+            heading = re.match(r"(#+) (.*)", line)
+            if heading and len(heading.group(1)) <= 2:          # a section starts: is it the exercises?
+                in_exercises = heading.group(2).strip() == "Exercises"
+            if heading and re.search(r"\bExercise\b", heading.group(2)):   # "### Exercise: ...": one exercise
+                exercises += 1
+            elif in_exercises and re.match(r"\d+\. ", line):            # an item of "## Exercises"
+                exercises += 1
+        words += len(text.split())
+    minutes = words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE + MINUTES_PER_EXERCISE * exercises
+    return minutes, words, code, exercises
+
+
+def stated(path):
+    """The (low, high) minutes the lesson's first cell states for its main path."""
+    found = STATED.search(nbformat.read(path, as_version=4).cells[0].source)
+    assert found, f"{path.name}: its first cell should state '**Estimated time**: about N minutes'"
+    low = int(found.group(1))
+    return low, int(found.group(2) or low)
+
+
+def test_the_rule_counts_what_it_says():
+    assert len(LESSONS) >= 17
+    minutes, words, code, exercises = estimate(NOTEBOOKS / "03_all_reduce_by_hand.ipynb")
+    assert words > 1000 and code > 100 and exercises >= 2, (words, code, exercises)
+    assert minutes == pytest.approx(words / 100 + code / 8 + 5 * exercises)
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_the_stated_time_follows_the_lessons_length(path):
+    minutes, words, code, exercises = estimate(path)
+    low, high = stated(path)
+    assert low - SLACK <= minutes <= high + SLACK, (
+        f"{path.name} states about {low}-{high} minutes for its main path, but its length gives {minutes:.0f} "
+        f"({words} words, {code} code lines, {exercises} exercises): state the estimate, or move asides to "
+        "'Going further'")
+
+
+@pytest.mark.parametrize("path", [p for p in LESSONS if int(p.name[:2]) <= 11], ids=lambda p: p.name[:2])
+def test_lessons_00_to_11_fit_one_sitting(path):
+    minutes, *_ = estimate(path)
+    assert minutes <= ONE_SITTING and stated(path)[1] <= ONE_SITTING, (
+        f"{path.name}: its main path takes about {minutes:.0f} minutes, over one sitting ({ONE_SITTING}): move "
+        "asides to 'Going further', or split the lesson")
