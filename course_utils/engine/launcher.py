@@ -875,38 +875,40 @@ class Cluster:
         return rank_error(self.world_size, results, stacks, note)
 
 
+def _task_states(pid):
+    """The state letter of each thread of ``pid`` in /proc (S asleep, R running, Z zombie, ...): [] once the
+    process is gone, None where /proc cannot tell."""
+    if not os.path.isdir("/proc/self/task"):
+        return None
+    try:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        return states
+    except FileNotFoundError:
+        return []
+    except (OSError, IndexError):
+        return None
+
+
 def _exited(pid):
     """The process has exited, as /proc shows it (every thread a zombie, or gone), before its parent reaps it.
     A forked rank's parent is the fork server, which reports the exit code only once it has reaped it: at load,
     seconds later (CI: 1 run in 8, and 10 of 20 here beside two busy loops, named only the first of two ranks
-    that died together, because the second's exit was not yet reported). False where there is no /proc."""
-    if not os.path.isdir("/proc/self/task"):
-        return False
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        return all(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-                   for t in tasks)
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):
-        return False
+    that died together, because the second's exit was not yet reported; this, with the wait of EXIT_CODE_S
+    for the code, made it 20 of 20). False where there is no /proc."""
+    states = _task_states(pid)
+    return states is not None and all(state in ("Z", "X") for state in states)
 
 
 def _blocked(pid):
     """Every thread of ``pid`` asleep (waiting on a peer, a pipe, a timer) or stopped: none is running or
-    waiting for a core, as a rank that is about to exit is. A zombie thread (Z, X) means the process is
-    exiting (its main thread has gone while the others finish): not blocked, on its way out. Before this,
-    Z counted as blocked, and at load a rank in the middle of os._exit (its pipes closed, not yet reapable)
-    ended the wait: 10 of 20 runs of the two-dead-ranks test beside two busy loops named one rank only.
-    False where /proc cannot tell."""
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("S", "T", "t"):
-                    return False
-    except (OSError, IndexError):
-        return False
-    return True
+    waiting for a core, as a rank that is about to exit is. A zombie thread (Z, X) is a process on its way
+    out, not a rank waiting (_exited tells those apart). False once the process is gone, or where /proc
+    cannot tell."""
+    states = _task_states(pid)
+    return bool(states) and all(state in ("S", "T", "t") for state in states)
 
 
 def _undecodable_info(error):
