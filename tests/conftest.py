@@ -108,6 +108,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
+    # An in-process IPython shell (the traceback tests) keeps its history database in TEST_JUPYTER and closes it
+    # at interpreter exit, after this: end its session first, or it writes to the removed file ("attempt to
+    # write a readonly database", printed after the summary).
+    shell_module = sys.modules.get("IPython.core.interactiveshell")
+    if shell_module is not None and shell_module.InteractiveShell.initialized():
+        shell_module.InteractiveShell.instance()._atexit_once()
     shutil.rmtree(TEST_CACHE, ignore_errors=True)
     shutil.rmtree(TEST_JUPYTER, ignore_errors=True)
 

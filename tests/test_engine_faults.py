@@ -12,7 +12,6 @@ import sys
 import textwrap
 import threading
 import time
-import warnings
 
 import pytest
 
@@ -264,33 +263,27 @@ def test_the_dead_rank_wait_tells_a_rank_that_waits_from_one_that_runs():
 # -- issue 25: a start slow enough to stop ------------------------------------------------------------
 def test_interrupt_while_the_ranks_start_leaves_no_rank_running(monkeypatch):
     """Run alone, first or after other tests, on either start path: the ranks are found wherever they are
-    (children of the fork server, which this very start may create, or of this process)."""
+    (children of the fork server, which this very start may create, or of this process). One stop, as one
+    click of the stop button: a stop the engine lost would fail here."""
     monkeypatch.setenv("COURSE_UTILS_TEST_HOLD_START_S", "30")  # every rank blocks before it says it is ready
     before = _ranks_below(os.getpid())  # other clusters' ranks (module fixtures) are not this start's
-    seen, done, clicks = set(), threading.Event(), []
+    seen, done = set(), threading.Event()
 
     def stop_once_both_ranks_run():  # not a fixed delay: the first start also starts the fork server
         deadline = time.monotonic() + 120
         while not done.is_set() and time.monotonic() < deadline:
             seen.update(_ranks_below(os.getpid()) - before)
             if len(seen) >= 2:
-                break
-            time.sleep(0.05)
-        # A stop the engine ignores for a moment (it starts the fork server with SIGINT ignored, so that the
-        # stop button cannot kill it mid-import) is lost, as a learner's first click would be; in suite order CI
-        # lost it twice ("DID NOT RAISE"). Like a learner, click again while both held ranks still run; the
-        # engine's own cleanup kills them at once, so a second stop never lands in it.
-        for _ in range(3):
-            if done.is_set() or len(seen) < 2:
+                os.kill(os.getpid(), signal.SIGINT)
                 return
-            clicks.append(time.monotonic())
-            os.kill(os.getpid(), signal.SIGINT)
-            stop_at = time.monotonic() + 5
-            while not done.is_set() and time.monotonic() < stop_at:
-                time.sleep(0.05)
-            if not all(_running(pid) for pid in seen):
-                return  # a rank is gone (or a zombie): the stop landed and the cleanup runs
+            time.sleep(0.05)
 
+    # SIGINT raises KeyboardInterrupt here as it does in a kernel while a cell runs (ipykernel installs Python's
+    # handler for the cell). A suite started in the background by a non-interactive shell (`nohup make test &`,
+    # as .ci/run was run by hand) inherits SIGINT *ignored*, Python then installs no handler, and the stop never
+    # arrives: that, not the engine, was this test's "DID NOT RAISE KeyboardInterrupt" in suite order (alone in
+    # the background it failed every time).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     stopper = threading.Thread(target=stop_once_both_ranks_run, daemon=True)
     stopper.start()
     made = []
@@ -300,12 +293,10 @@ def test_interrupt_while_the_ranks_start_leaves_no_rank_running(monkeypatch):
     finally:
         done.set()
         stopper.join()
+        signal.signal(signal.SIGINT, previous)
         for c in made:
             c.shutdown()
     assert not made and len(seen) == 2, f"the stop must land while both ranks start (saw {seen})"
-    if len(clicks) > 1:  # evidence for the cause, in the run's warnings summary, without failing the run
-        warnings.warn(f"interrupt while the ranks start: {len(clicks)} stops were needed, the first was lost "
-                      f"(start path: {'fork server' if _forkstart.wanted() else 'fresh interpreters'})")
     deadline = time.monotonic() + 10
     while True:
         ranks = _ranks_below(os.getpid()) - before
@@ -324,14 +315,6 @@ def test_the_rank_finder_sees_the_ranks_on_this_start_path():
     while _ranks_below(os.getpid()) - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _ranks_below(os.getpid()) - before
-
-
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def _ranks_below(pid):
