@@ -1,0 +1,82 @@
+"""How pytest-xdist shares every run of this repository's tests between its workers (pyproject.toml's addopts run
+``-n 2 --dist loadgroup``). It lives at the repository's root because pytest loads it for any path below, the
+notebooks included (`pytest notebooks/03_all_reduce_by_hand.ipynb` does not load tests/conftest.py, which holds
+the suite's fixtures).
+
+- A notebook is one unit: nbval runs its cells in order in one kernel, so every cell goes to the same worker.
+- A test module is one unit: its module-scoped clusters start once, on one worker.
+- Work that times itself shares one unit, ``timed``: those modules and lessons run one after another on one
+  worker, never beside each other (the other worker still runs untimed work beside them: their asserts and
+  code-chosen sentences hold on a busy machine, as CONTRIBUTING's rule for stored outputs asks of every lesson).
+- The longest units start first (lessons by their stored execution times), so that no worker idles at the end
+  while the other finishes a long notebook.
+
+`pytest -n 0 ...` runs in one process, as before (for a debugger, or to time one file alone).
+"""
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+
+TIMED = {
+    # timed asserts (with 5x margins) and the dead-rank and straggler tests, whose verdicts follow the order in
+    # which processes die or arrive
+    "tests/test_engine.py", "tests/test_engine_faults.py", "tests/test_engine_leaks.py",
+    "tests/test_train_script.py", "tests/test_debugging.py", "tests/test_exercises_09_10.py",
+    # the lessons that time things and choose their sentences from the timings (bandwidth, overlap, the cost
+    # model, the pipeline bubble)
+    "notebooks/04_measuring_bandwidth.ipynb", "notebooks/07_buckets_and_overlap.ipynb",
+    "notebooks/10_tradeoffs.ipynb", "notebooks/14_beyond_data_parallelism.ipynb",
+}
+# A module known to take long on 2 cores starts early (seconds on a quiet 2-core machine; a guess is enough: the
+# order only balances the two workers). Lessons use their stored execution times instead.
+LONG_MODULES = {"tests/test_browser.py": 120, "tests/test_finetune_script.py": 120, "tests/test_scale_out.py": 90,
+                "tests/test_readme_promises.py": 90, "tests/test_kernel.py": 90,
+                "tests/test_engine_spawn_start.py": 90}
+
+
+def _stored_seconds(path):
+    """The sum of a notebook's stored cell execution times (0 when it has none)."""
+    try:
+        cells = json.loads(path.read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return 0.0
+    total = 0.0
+    for cell in cells:
+        execution = cell.get("metadata", {}).get("execution", {})
+        start, end = execution.get("iopub.execute_input"), execution.get("shell.execute_reply")
+        if start and end:
+            total += (datetime.fromisoformat(end.replace("Z", "+00:00"))
+                      - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+    return total
+
+
+def unit_of(path):
+    """The xdist group of a test file or notebook, given its path relative to the repository."""
+    return "timed" if path in TIMED else path
+
+
+def pytest_collection_modifyitems(config, items):
+    cost = {}
+    for item in items:
+        try:
+            path = item.path.resolve().relative_to(ROOT).as_posix()
+        except ValueError:          # a test file outside the repository (tests of the Makefile make their own)
+            path = item.path.as_posix()
+        unit = unit_of(path)
+        item.add_marker(pytest.mark.xdist_group(unit))
+        if path not in cost:
+            cost[path] = (_stored_seconds(item.path) if path.endswith(".ipynb")
+                          else LONG_MODULES.get(path, 10.0))
+        item.stash[_UNIT] = unit
+    per_unit = {}
+    for path, seconds in cost.items():
+        per_unit[unit_of(path)] = per_unit.get(unit_of(path), 0.0) + seconds
+    # a stable sort: within a unit the collection order (a notebook's cells, a module's tests) is kept
+    items.sort(key=lambda item: -per_unit[item.stash[_UNIT]])
+
+
+_UNIT = pytest.StashKey[str]()

@@ -1,0 +1,148 @@
+"""CI's budget and how its work is chosen: every lesson runs in about 2 minutes with no cell over about 30 s (by
+the execution times `make notebooks` stores), the baseline pass re-checks exactly the lessons whose checked outputs
+hold computed floats (scripts/stored_outputs.py's rule), and the root conftest.py keeps each notebook and each
+module on one pytest-xdist worker.
+
+    .venv/bin/python -m pytest tests/test_ci_budget.py
+"""
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import LESSONS, ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import stored_outputs  # noqa: E402  (scripts/ is not a package)
+
+CELL_BUDGET = 30         # seconds: no cell keeps a learner waiting longer (CONTRIBUTING.md)
+LESSON_BUDGET = 120      # seconds: a lesson top to bottom on a quiet 2-core machine
+
+
+# ---- the stored execution times ----------------------------------------------------------------
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_every_code_cell_has_its_stored_time(path):
+    missing = [i for i, seconds in stored_outputs.cell_times(path) if seconds is None]
+    assert not missing, (f"{path.name}: code cells {missing} have no stored execution time: re-execute the lesson "
+                         f"with `make notebooks` (scripts/execute_notebooks.py), never from an interactive session")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_each_lesson_runs_within_the_budget(path):
+    times = [(i, s) for i, s in stored_outputs.cell_times(path) if s is not None]
+    slow = [f"cell {i}: {s:.0f} s" for i, s in times if s > CELL_BUDGET]
+    total = sum(s for _, s in times)
+    assert not slow, (f"{path.name}: {', '.join(slow)}, over the {CELL_BUDGET} s a cell may keep a learner "
+                      "waiting: measure what the claim needs and no more (fewer configurations, fp32 where the "
+                      "dtype does not change the bytes, small bf16 runs)")
+    assert total <= LESSON_BUDGET, (f"{path.name} takes {total:.0f} s top to bottom by its stored times, over the "
+                                    f"{LESSON_BUDGET} s budget of a lesson")
+
+
+def _notebook(tmp_path, cells):
+    """A minimal notebook of code cells, each given as (source, stream text, seconds or None)."""
+    nb_cells = []
+    for source, text, seconds in cells:
+        metadata = {}
+        if seconds is not None:
+            metadata["execution"] = {"iopub.execute_input": "2026-01-01T00:00:00.000000Z",
+                                     "shell.execute_reply": f"2026-01-01T00:00:{seconds:09.6f}Z"}
+        nb_cells.append({"cell_type": "code", "source": source, "metadata": metadata, "execution_count": 1,
+                         "outputs": [{"output_type": "stream", "name": "stdout", "text": text}]})
+    path = tmp_path / "00_probe.ipynb"
+    path.write_text(json.dumps({"cells": nb_cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    return path
+
+
+def test_the_stored_times_are_read_as_nbclient_writes_them(tmp_path):
+    path = _notebook(tmp_path, [("x = 1", "", 12.5), ("y = 2", "", None)])
+    code_cells = stored_outputs.cell_times(path)
+    assert code_cells[0][1] == pytest.approx(12.5) and code_cells[1][1] is None, code_cells
+    lesson = json.loads(LESSONS[0].read_text())
+    recorded = next(c["metadata"]["execution"] for c in lesson["cells"] if c["cell_type"] == "code")
+    assert {"iopub.execute_input", "shell.execute_reply"} <= set(recorded), (
+        f"nbclient records other keys than the budget reads: {sorted(recorded)}")
+
+
+# ---- the baseline pass ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source,printed,computed", [
+    ("print(loss)", "loss 2.3718\n", True),                       # a trained value: the arithmetic decides it
+    ("print(err)", "relative error 3.2e-04\n", True),
+    ("print(n)", "4,096 bytes, 16 of 16 ranks\n", False),        # integers print the same everywhere
+    ("print(x)", "tensor([0., 1., 2.]) -> 4.0 and 10.00\n", False),   # integer-valued floats too
+    ("print(t)", "all-reduce took 3.25 ms at 1.42 GB/s\n", False),      # masked by tests/sanitize.cfg
+    ("print(v)", "[OK] torch 2.13 and Python 3.11\n", False),           # versions
+    ("lr = 0.25\nprint(lr)", "lr 0.25\n", False),                       # a constant of the lesson echoed back
+])
+def test_the_baseline_rule_finds_computed_floats(tmp_path, source, printed, computed):
+    path = _notebook(tmp_path, [(source, printed, 1.0)])
+    found = stored_outputs.computed_floats(path)
+    assert bool(found) == computed, f"{printed!r}: computed floats found {found}, expected {computed}"
+
+
+def test_the_baseline_pass_rechecks_the_lessons_that_print_trained_values_and_not_the_rest():
+    chosen = {p.name[:2] for p in stored_outputs.baseline_lessons()}
+    assert {"01", "05", "11"} <= chosen, f"lessons that print trained losses and gradients must be re-checked: {chosen}"
+    assert not {"00", "04"} & chosen, f"00 (integers, versions) and 04 (masked timings) hold no computed float: {chosen}"
+
+
+def test_make_test_baseline_cpu_runs_the_rule_unless_told_which_notebooks():
+    default = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "test-baseline-cpu"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert default.returncode == 0, default.stdout + default.stderr
+    assert "scripts/stored_outputs.py --baseline" in default.stdout, (
+        f"make test-baseline-cpu must choose its lessons by the rule:\n{default.stdout}")
+    narrowed = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "test-baseline-cpu",
+                               "NOTEBOOKS=notebooks/03_all_reduce_by_hand.ipynb"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "stored_outputs.py" not in narrowed.stdout and "03_all_reduce_by_hand" in narrowed.stdout, narrowed.stdout
+
+
+def test_the_rule_prints_paths_pytest_can_collect():
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "stored_outputs.py"), "--baseline"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    paths = run.stdout.split()
+    assert paths and all((ROOT / p).is_file() and re.match(r"notebooks/\d\d_", p) for p in paths), run.stdout
+
+
+# ---- sharing the work between two workers ---------------------------------------------------
+
+def _root_conftest():
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_timed_units_name_files_that_exist():
+    timed = _root_conftest().TIMED
+    missing = sorted(p for p in timed if not (ROOT / p).is_file())
+    assert not missing, f"conftest.py's TIMED names files that do not exist (renamed?): {missing}"
+
+
+def test_the_suite_runs_on_two_workers_with_each_notebook_on_one():
+    text = (ROOT / "pyproject.toml").read_text()
+    addopts = re.search(r'^addopts = "(.*)"', text, re.M).group(1).split()
+    assert addopts[:4] == ["-n", "2", "--dist", "loadgroup"], addopts
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
+                          "notebooks/00_launcher_tour.ipynb", "notebooks/04_measuring_bandwidth.ipynb",
+                          "tests/test_costmodel.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    conftest = _root_conftest()
+    assert conftest.unit_of("notebooks/00_launcher_tour.ipynb") == "notebooks/00_launcher_tour.ipynb"
+    assert conftest.unit_of("notebooks/04_measuring_bandwidth.ipynb") == conftest.unit_of("tests/test_engine.py")
+    ids = [line for line in run.stdout.splitlines() if "::" in line]
+    files = [line.split("::")[0] for line in ids]
+    for path in set(files):
+        at = [i for i, f in enumerate(files) if f == path]
+        assert at == list(range(at[0], at[-1] + 1)), f"{path}'s items are not kept together: {files}"
+    cells = [line for line in ids if line.startswith("notebooks/00_launcher_tour.ipynb")]
+    numbers = [int(re.search(r"Cell (\d+)", c).group(1)) for c in cells]
+    assert numbers and numbers == sorted(numbers), f"a notebook's cells must stay in order: {numbers}"
