@@ -104,12 +104,17 @@ def test_an_interrupt_while_the_fork_server_imports_torch_does_not_kill_it():
 # -- 3 and 4. what a fresh interpreter would have ---------------------------------------------------
 def test_every_rank_and_every_restart_draws_its_own_random_state(make_cluster):
     c = make_cluster(2, timeout=30)
-    code = "import torch, numpy\n(torch.initial_seed(), float(torch.rand(())), float(numpy.random.rand()))"
+    # torch's, numpy's and Python's own random state (the README: "Python's `random` reseeds itself at a fork")
+    code = ("import random, torch, numpy\n"
+            "(torch.initial_seed(), float(torch.rand(())), float(numpy.random.rand()), random.getrandbits(64))")
+    names = ("torch's seed", "torch.rand", "numpy.random", "Python's random")
     first = c.run(code)
-    assert first[0] != first[1], f"both ranks have the same random state: {first}"
     c.restart()
     again = c.run(code)
-    assert not set(first) & set(again), f"a restart repeats the random state: {first} then {again}"
+    for i, name in enumerate(names):    # each generator on its own: one that repeats fails, whatever the others do
+        assert first[0][i] != first[1][i], f"both ranks have the same {name}: {first}"
+        assert not {first[0][i], first[1][i]} & {again[0][i], again[1][i]}, (
+            f"a restart repeats {name}: {first} then {again}")
 
 
 def test_settings_read_when_a_library_loads_follow_the_notebooks_environment(monkeypatch):
