@@ -25,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import learner_copy  # noqa: E402
 from browser_helpers import (CHROMIUM, CHROMIUM_ARGS, JupyterLab, notebook_panel, open_notebook,
                              read_cells, run_all_cells, save_notebook, wait_for)
-from conftest import ROOT, in_ci
+from conftest import NOTEBOOKS, ROOT, in_ci
 
-NOTEBOOKS = ROOT / "notebooks"
 LESSONS = ["00_launcher_tour.ipynb", "10_tradeoffs.ipynb"]
 COPY = "my-notebooks"  # the learner's copy, as `make lab` names it
 # The cost-model controls of 10_tradeoffs, by their descriptions; moving any of them redraws the plot.

@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -89,7 +88,8 @@ def test_the_baseline_rule_finds_computed_floats(tmp_path, source, printed, comp
 def test_the_baseline_pass_rechecks_the_lessons_that_print_trained_values_and_not_the_rest():
     chosen = {p.name[:2] for p in stored_outputs.baseline_lessons()}
     assert {"01", "05", "11"} <= chosen, f"lessons that print trained losses and gradients must be re-checked: {chosen}"
-    assert not {"00", "04"} & chosen, f"00 (integers, versions) and 04 (masked timings) hold no computed float: {chosen}"
+    assert not {"00", "04"} & chosen, (
+        f"00 (integers, versions) and 04 (masked timings) hold no computed float: {chosen}")
 
 
 def test_make_test_baseline_cpu_runs_the_rule_unless_told_which_notebooks():

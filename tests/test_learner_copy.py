@@ -7,20 +7,17 @@ import sys
 import nbformat
 import pytest
 
-from conftest import ROOT
+from conftest import LESSONS, NOTEBOOKS, ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import learner_copy  # noqa: E402
-
-LESSONS = sorted((ROOT / "notebooks").glob(learner_copy.LESSON_GLOB))
-
 
 def _outputs(nb):
     return [c for c in nb.cells if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
 
 
 def test_the_copy_has_every_lesson_with_outputs_cleared_and_sources_kept(tmp_path):
-    added, kept = learner_copy.sync(ROOT / "notebooks", tmp_path / "my-notebooks")
+    added, kept = learner_copy.sync(NOTEBOOKS, tmp_path / "my-notebooks")
     assert added == [p.name for p in LESSONS] and kept == [], (added, kept)
     stored_any = False
     for lesson in LESSONS:
@@ -65,7 +62,7 @@ def test_links_between_lessons_resolve_in_the_copy(tmp_path):
     """The copy sits beside notebooks/: every relative link of a lesson (next lesson, ../README.md) still resolves."""
     import re
     dest = ROOT / "my-notebooks"  # where `make lab` puts it: a sibling of notebooks/
-    assert dest.parent == (ROOT / "notebooks").parent
+    assert dest.parent == (NOTEBOOKS).parent
     broken = []
     for lesson in LESSONS:
         for cell in nbformat.read(lesson, as_version=4).cells:
@@ -75,8 +72,8 @@ def test_links_between_lessons_resolve_in_the_copy(tmp_path):
                 if re.match(r"[a-z]+:", target):
                     continue  # a web address
                 if target.endswith(".ipynb"):  # another lesson: the copy holds every lesson of notebooks/
-                    ok = (ROOT / "notebooks" / target).resolve().parent == ROOT / "notebooks" and (
-                        ROOT / "notebooks" / target).exists()
+                    ok = (NOTEBOOKS / target).resolve().parent == NOTEBOOKS and (
+                        NOTEBOOKS / target).exists()
                 else:  # anything else (../README.md) as seen from my-notebooks/
                     ok = (dest / target).resolve().exists()
                 if not ok:

@@ -1,18 +1,17 @@
 """Each lesson states how long its main path takes; the statement must follow the lesson's length, and lessons 00-11
-fit one sitting (issue 31: 60-75 minutes), and so does 16 (the README says so). The estimate is one rule for every lesson, the README's: 100 words of
-prose and 8 lines of code a minute (reading, predicting, running, looking at the output), plus 5 minutes an
-exercise, counted up to "Going further"."""
+and 16 fit one sitting (issue 31: 60-75 minutes; the README says so). The estimate is one rule for every lesson, the
+README's: 100 words of prose and 8 lines of code a minute (reading, predicting, running, looking at the output), plus
+5 minutes an exercise, each exercise counted once, up to "Going further"."""
 import re
 
 import nbformat
 import pytest
 
-from exercise_helpers import NOTEBOOKS
+from conftest import LESSONS, NOTEBOOKS
 
 WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 100, 8, 5
 ONE_SITTING = 75        # minutes: lessons 00-11 fit it
 SLACK = 10              # minutes: how far a stated time may sit from the estimate
-LESSONS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 STATED = re.compile(r"\*\*(?:Estimated time|Time):?\*\*:? about (\d+)(?:-(\d+))? minutes")
 GOING_FURTHER = re.compile(r"^#+ .*Going further", re.M)
 
