@@ -428,3 +428,39 @@ def test_a_spawn_rank_that_drops_its_ddp_and_group_ends_cleanly_every_time():
 
     for _ in range(5):
         assert spawn(demo, args=(2,), nprocs=2, timeout=60) == [0, 1]
+
+
+# -- issue 41: a command's cost does not grow with what the ranks hold -----------------------------------------
+COUNT_COLLECTIONS = """
+import gc
+if not hasattr(gc, "_counted"):
+    gc._original_collect, gc._counted = gc.collect, []
+    def _counting_collect(*args, **kwargs):
+        gc._counted.append(1)
+        return gc._original_collect(*args, **kwargs)
+    gc.collect = _counting_collect
+gc._counted.clear()
+"""
+
+
+def test_a_command_runs_no_full_collection_unless_a_group_was_destroyed(make_cluster):
+    """A full gc.collect() before every command cost 0.27 ms per rank with nothing allocated and 414 ms with 300k
+    small dicts on each rank. Now: none while no group was destroyed; one for a destroyed group that something
+    else still holds; none when its last reference goes."""
+    c = make_cluster(2, timeout=30)
+    groups = "import sys\nlen(sys.modules['course_utils.engine._worker']._GROUPS)"
+    before = c.run(groups)
+    c.run(COUNT_COLLECTIONS)
+    for _ in range(5):
+        c.run("rank")
+    assert c.run("len(gc._counted)") == [0, 0], "a full collection ran before commands while nothing was destroyed"
+    c.run("import torch.distributed as dist\ng = dist.new_group([0, 1])\ndist.destroy_process_group(g)")
+    for _ in range(4):
+        c.run("rank")
+    assert c.run("len(gc._counted)") == [1, 1], "a destroyed group still held: collect once, not per command"
+    c.run("del g")
+    for _ in range(3):
+        c.run("rank")
+    assert c.run("len(gc._counted)") == [1, 1], "its last reference gone, the group is freed without another collection"
+    assert c.run(groups) == before, f"the destroyed group should be freed: {before} groups kept before, {c.run(groups)}"
+    c.run("gc.collect = gc._original_collect\ndel gc._counted, gc._original_collect")

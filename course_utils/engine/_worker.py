@@ -202,6 +202,7 @@ def _stopped_in_import(exc):
 
 _GROUPS = []  # the process groups this rank made and has not freed yet (see keep_every_group_alive)
 _DESTROYED = set()  # ids of the kept groups that torch had destroyed at the last safe point
+_COLLECTED = set()  # ids of destroyed groups that a full gc.collect() already ran for
 
 
 def keep_every_group_alive():
@@ -246,7 +247,20 @@ def free_destroyed_groups():
     if world is None or not _GROUPS:
         return
     live = {id(pg) for pg in list(world.pg_map)}
-    gc.collect()  # cycles that hold a group (a failed cell's frames, a model the learner dropped) go first
+    if all(id(pg) in live for pg in _GROUPS):
+        _DESTROYED.clear()  # nothing was destroyed: no work, however much the ranks hold (issue 41)
+        return
+    # cycles that hold a group (a failed cell's frames, a model the learner dropped) go first: one full collection
+    # per destroyed group at most, and only when something besides _GROUPS still holds it (the list's slot, the
+    # loop's name and getrefcount's argument make 3)
+    held = False
+    for pg in _GROUPS:
+        if id(pg) not in live and id(pg) not in _COLLECTED and sys.getrefcount(pg) > 3:
+            _COLLECTED.add(id(pg))
+            held = True
+    del pg
+    if held:
+        gc.collect()
     keep, free = [], []
     while _GROUPS:
         pg = _GROUPS.pop()
@@ -260,7 +274,7 @@ def free_destroyed_groups():
     _GROUPS.extend(keep)
     _DESTROYED.clear()
     _DESTROYED.update(id(pg) for pg in keep if id(pg) not in live)
-    del keep
+    _COLLECTED.intersection_update(id(pg) for pg in keep)
     free.clear()  # ~ProcessGroupGloo runs here, on the main thread, with no work of these groups running
 
 
