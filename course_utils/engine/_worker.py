@@ -640,6 +640,7 @@ class Worker:
         global _CHANNEL, _WORKER
         _CHANNEL, _WORKER = self.channel, self
         self.settle()
+        _skip_libraries_finalizers()
         signal.signal(signal.SIGINT, self.on_sigint)
         for fd in (self.cmd_fd, self.channel.res_fd, self.listen_fd):
             if fd >= 0:  # a program the learner starts (exec) does not inherit them; a fork still holds
@@ -672,20 +673,34 @@ class Worker:
             self.execute(msg)
 
 
+def _skip_libraries_finalizers():
+    """The weakref.finalize callbacks that exist before the learner's first cell (torch's import made 134: each
+    torch.library.Library's _del_library, which calls torch._C reset functions) need not run at the rank's end:
+    the process ends with os._exit, so nothing they free outlives it. Run at exit they cost 78-85 ms of CPU per
+    rank at every restart and shutdown (issue 41). Those the learner's cells make (a TemporaryDirectory's
+    cleanup) still run, as at a script's end."""
+    import weakref
+
+    for finalizer in list(getattr(weakref.finalize, "_registry", ())):
+        finalizer.atexit = False
+
+
 def _end_like_a_script():
     """What a script's end does before the interpreter's shutdown: the atexit handlers run (the learner's
     and the libraries': logging's, multiprocessing's), then every file still open for writing is flushed
     (an unclosed open(..., 'w') kept its text in its buffer: a 0-byte file after %ddp shutdown)."""
+    import _io
     import atexit
     import gc
-    import io
 
     try:
         atexit._run_exitfuncs()  # prints a failing handler's traceback and goes on, as at a script's end
     except BaseException:
         traceback.print_exc()
-    files = [f for f in gc.get_objects() if isinstance(f, io.IOBase)]
-    for f in sorted(files, key=lambda f: not isinstance(f, io.TextIOBase)):  # text first: into its buffer
+    # the C base classes, not io.IOBase: its ABC check over every object cost 32-36 ms a rank (issue 41); every
+    # file object, io's pure-Python classes included, derives from them
+    files = [f for f in gc.get_objects() if isinstance(f, _io._IOBase)]
+    for f in sorted(files, key=lambda f: not isinstance(f, _io._TextIOBase)):  # text first: into its buffer
         try:
             if not f.closed and f.writable():
                 f.flush()
