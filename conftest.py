@@ -1,10 +1,11 @@
 """How pytest-xdist shares every run of this repository's tests between its workers (pyproject.toml's addopts run
-``-n 2 --dist loadgroup``). It lives at the repository's root because pytest loads it for any path below, the
+``-n 2 --dist loadscope``). It lives at the repository's root because pytest loads it for any path below, the
 notebooks included (`pytest notebooks/03_all_reduce_by_hand.ipynb` does not load tests/conftest.py, which holds
 the suite's fixtures).
 
 - A notebook is one unit: nbval runs its cells in order in one kernel, so every cell goes to the same worker.
-- A test module is one unit: its module-scoped clusters start once, on one worker.
+- A test module is one unit (its classes included): its module-scoped clusters and fixtures start once, on one
+  worker.
 - Work that times itself shares one unit, ``timed``: those modules and lessons run one after another on one
   worker, never beside each other (the other worker still runs untimed work beside them: their asserts and
   code-chosen sentences hold on a busy machine, as CONTRIBUTING's rule for stored outputs asks of every lesson).
@@ -59,24 +60,44 @@ def unit_of(path):
     return "timed" if path in TIMED else path
 
 
+def unit_of_nodeid(nodeid):
+    """The unit of a test id ("notebooks/03_all_reduce_by_hand.ipynb::Cell 4", "tests/test_x.py::TestY::test_z")."""
+    return unit_of(nodeid.split("::", 1)[0])
+
+
+def _path_of(item):
+    try:
+        return item.path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:          # a test file outside the repository (tests of the Makefile make their own)
+        return item.path.as_posix()
+
+
 def pytest_collection_modifyitems(config, items):
+    """The longest units first (each worker collects in this order, and the scheduler hands out units in it)."""
     cost = {}
     for item in items:
-        try:
-            path = item.path.resolve().relative_to(ROOT).as_posix()
-        except ValueError:          # a test file outside the repository (tests of the Makefile make their own)
-            path = item.path.as_posix()
-        unit = unit_of(path)
-        item.add_marker(pytest.mark.xdist_group(unit))
+        path = _path_of(item)
         if path not in cost:
-            cost[path] = (_stored_seconds(item.path) if path.endswith(".ipynb")
-                          else LONG_MODULES.get(path, 10.0))
-        item.stash[_UNIT] = unit
+            cost[path] = _stored_seconds(item.path) if path.endswith(".ipynb") else LONG_MODULES.get(path, 10.0)
     per_unit = {}
     for path, seconds in cost.items():
         per_unit[unit_of(path)] = per_unit.get(unit_of(path), 0.0) + seconds
     # a stable sort: within a unit the collection order (a notebook's cells, a module's tests) is kept
-    items.sort(key=lambda item: -per_unit[item.stash[_UNIT]])
+    items.sort(key=lambda item: -per_unit[unit_of(_path_of(item))])
 
 
-_UNIT = pytest.StashKey[str]()
+@pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope, with this file's units as the scopes: pytest-xdist's own loadscope splits a notebook's
+    cells apart (their node ids read like a class's methods), and its loadgroup cannot see marks under pytest 9.2
+    (it rewrites ``item._nodeid``, which pytest 9.2's ``nodeid`` no longer reads)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return unit_of_nodeid(nodeid)
+
+    config.option.loadscopereorder = False  # keep the collection's order: the longest units first
+    return ByUnit(config, log)

@@ -18,9 +18,19 @@ Two nodes x 1 process (MASTER: node 0's address; on one machine 127.0.0.1 with G
     torchrun --nnodes=2 --node-rank=1 --nproc-per-node=1 --master-addr=$MASTER --master-port=29500 \\
         scripts/finetune_lora.py --model tiny --strategy fsdp --steps 20
 
-Your own GPUs (NCCL, one rank per GPU; the model from a local folder or the hub, e.g. 2 x 24 GB cards):
+Your own GPUs (NCCL, one rank per GPU; the model from a local folder or the hub), Llama 2 7B on 2 x 24 GB cards:
     torchrun --standalone --nproc-per-node=2 scripts/finetune_lora.py --model meta-llama/Llama-2-7b-hf \\
         --strategy fsdp --bf16 --lora-r 16 --block-size 512 --global-batch-size 8 --checkpoint-dir ckpt --resume
+  What the FSDP path does, and needs: every rank reads the base into host memory (``from_pretrained``, in bf16
+  under --bf16: 13.5 GB of RAM per rank for 7B, 27 GB for two ranks on one machine), wraps the targets in fp32
+  adapters, then ``fully_shard`` (each decoder layer, then the root) moves one layer's weights at a time to its GPU
+  and keeps 1/W of them: a GPU holds 6.3 GiB of the base at W = 2, never all of it; the host copy goes as it moves.
+  tests/test_finetune_fits.py runs this build and one step of this line with fake tensors on a fake world of 2:
+  the peak per rank is 6.3 GiB after the build and 16.2 GiB in forward and backward (micro-batch 4 x 512 tokens),
+  under 85% of a 24 GiB card; the CUDA context, NCCL's buffers and the allocator's cache come on top, unmeasured.
+  --checkpointing (activation checkpointing per decoder layer) lowers the activations for longer blocks or larger
+  batches. At the end, rank 0 writes the adapters in peft's format (adapter_config.json, adapter_model.safetensors)
+  in ckpt/ beside the DCP checkpoints (or in --adapter-dir): ``PeftModel.from_pretrained(base, "ckpt")`` loads them.
   The data is the course corpus, tokenized by characters: a real run replaces finetune_batch with its own data set
   and the model's tokenizer (a character id is a valid token id of any vocabulary of more than 100 entries, so the
   line above runs as it is, and measures speed and memory).
@@ -41,9 +51,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
-from course_utils.lora import add_lora, load_model, shard_lora, tiny_tokenizer, train_steps
+from course_utils.lora import add_lora, load_model, peft_lora_config, tiny_tokenizer, train_steps
 
 OPTIONS = StateDictOptions(ignore_frozen_params=True)   # the base is reloaded from --model, never saved
 # loading: the frozen keys are missing on purpose (dcp.load itself fails if a trainable one is)
@@ -58,7 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x r")
     p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated linear layer names")
     p.add_argument("--bf16", action="store_true",
-                   help="ddp: a bf16 base (adapters fp32); fsdp: bf16 compute, fp32 shards and reduction")
+                   help="the frozen base in bf16 (adapters and AdamW fp32); ddp: bf16 autocast on CUDA; fsdp: bf16 "
+                        "shards of the base, bf16 compute, gradients reduced in fp32")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing per decoder layer (recompute in backward: less memory, ~1/3 slower)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--block-size", type=int, default=64)
@@ -67,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-dir", default=None, help="DCP checkpoints: <dir>/step_<N>, <dir>/latest")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="start from <checkpoint-dir>/latest if it exists")
+    p.add_argument("--adapter-dir", default=None,
+                   help="where the trained adapters go at the end, in peft's format (adapter_config.json, "
+                        "adapter_model.safetensors); default: --checkpoint-dir; neither: not saved")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--fail-at-step", type=int, default=None,
                    help="for the tests: the last rank exits with an error before this step, in torchrun's first "
@@ -116,21 +133,44 @@ def setup():
     return device
 
 
-def build(args, device):
-    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+def targets_of(args):
+    return tuple(t.strip() for t in args.targets.split(",") if t.strip())
+
+
+def build(args, device, load_base=load_model):
+    """The LoRA model and its optimizer, as this rank trains them.
+
+    ``load_base(name, seed=, dtype=)`` returns the base in host memory (``load_model``: the tiny Llama from
+    ``--seed``, or ``from_pretrained``); tests/test_finetune_fits.py passes one that builds Llama 2 7B's shape on
+    ``meta`` and runs this function as it is. Under ``--bf16`` the frozen base is bf16 for both strategies; the
+    adapters (and so AdamW's state) stay fp32. ddp: the whole model goes to the device, then DDP. fsdp:
+    ``fully_shard`` on a mesh of this device, each decoder layer, then the root (embeddings, final norm, head),
+    before anything is moved: FSDP2 moves one module's weights at a time to the device and keeps this rank's
+    1/W of them, so the device never holds the whole base (nothing is left to move afterwards).
+    """
+    targets = targets_of(args)
     alpha = 2 * args.lora_r if args.lora_alpha is None else args.lora_alpha
-    base_dtype = torch.bfloat16 if args.bf16 and args.strategy == "ddp" else torch.float32
-    model = load_model(args.model, seed=args.seed, dtype=base_dtype)
-    model = add_lora(model, targets, r=args.lora_r, alpha=alpha, seed=args.seed).to(device)
+    base_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = load_base(args.model, seed=args.seed, dtype=base_dtype)
+    model = add_lora(model, targets, r=args.lora_r, alpha=alpha, seed=args.seed)     # adapters in fp32
+    model.train()                              # from_pretrained returns eval mode, where checkpointing is off
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()     # the embeddings are frozen: their output must still carry grad
     if args.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
     else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-        model = shard_lora(model, mp)
+        kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+        for layer in model.model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     return model, optimizer
 
@@ -159,6 +199,33 @@ def load(model, optimizer, path):
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=LOAD_OPTIONS)
     return state["step"]
+
+
+def save_adapters(model, args, directory):
+    """The trained adapters in peft's format, in ``directory``: ``adapter_model.safetensors`` and
+    ``adapter_config.json``, loaded by ``PeftModel.from_pretrained(base, directory)``. Every rank takes part (under
+    FSDP each holds 1/W of every adapter); the whole tensors come to rank 0's CPU only, and rank 0 writes them.
+
+    course_utils.lora.save_adapter writes the same files from a model whose adapters are whole tensors (lesson 15,
+    one process); here they are gathered first, then named as peft names them (its lora_state_dict).
+    """
+    from safetensors.torch import save_file
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(model, options=options)          # {} on every rank but 0
+    if dist.get_rank() == 0:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        # "model.layers.0.self_attn.q_proj.lora_A" -> "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+        tensors = {f"base_model.model.{name}.weight": t.float().contiguous() for name, t in state.items()
+                   if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
+        save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+        alpha = 2 * args.lora_r if args.lora_alpha is None else args.lora_alpha
+        base = None if args.model == "tiny" else args.model
+        peft_lora_config(targets_of(args), args.lora_r, alpha, base).save_pretrained(str(directory))
+        print(f"adapters saved in {directory} ({len(tensors)} tensors): "
+              f"PeftModel.from_pretrained(base, {str(directory)!r}) loads them", flush=True)
+    dist.barrier()
 
 
 def peak_memory(device):
@@ -202,6 +269,9 @@ def main(argv=None):
     rate = (step - start) * tokens_per_step / seconds if step > start else 0.0
     print(f"[rank {rank}] {args.strategy}, {world_size} ranks on {device.type}: {rate:,.0f} tokens/s, "
           f"peak memory {peak_memory(device) / 2**20:,.0f} MiB", flush=True)
+    adapter_dir = args.adapter_dir or args.checkpoint_dir
+    if adapter_dir:
+        save_adapters(model, args, adapter_dir)
     dist.barrier()
     if rank == 0 and losses:
         print(f"final_loss={losses[-1]:.6f}", flush=True)

@@ -7,7 +7,9 @@ module on one pytest-xdist worker.
 """
 import importlib.util
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -127,22 +129,55 @@ def test_the_timed_units_name_files_that_exist():
     assert not missing, f"conftest.py's TIMED names files that do not exist (renamed?): {missing}"
 
 
-def test_the_suite_runs_on_two_workers_with_each_notebook_on_one():
+def test_each_unit_is_a_file_and_the_timed_files_are_one():
+    conftest = _root_conftest()
+    assert conftest.unit_of_nodeid("notebooks/03_all_reduce_by_hand.ipynb::Cell 4") == (
+        "notebooks/03_all_reduce_by_hand.ipynb")
+    assert conftest.unit_of_nodeid("tests/test_costmodel.py::TestFit::test_alpha[a::b]") == "tests/test_costmodel.py"
+    assert conftest.unit_of_nodeid("notebooks/04_measuring_bandwidth.ipynb::Cell 1") == conftest.unit_of_nodeid(
+        "tests/test_engine.py::test_x") == "timed"
+
+
+PROBE_MODULE = """
+import os, pytest
+
+def _log():
+    with open(os.environ["XDIST_PROBE_LOG"], "a") as f:
+        f.write(f"{os.path.basename(__file__)} {os.environ.get('PYTEST_XDIST_WORKER')}\\n")
+
+class TestOne:
+    @pytest.mark.parametrize("i", range(3))
+    def test_a(self, i):
+        _log()
+
+class TestTwo:
+    @pytest.mark.parametrize("i", range(3))
+    def test_b(self, i):
+        _log()
+"""
+
+
+def test_a_module_with_two_classes_runs_on_one_worker(tmp_path):
+    """pytest-xdist's own loadscope would hand TestOne and TestTwo to different workers (a class is its unit);
+    the root conftest.py's scheduler keeps a file together. The probe lives in the repository (the root
+    conftest.py applies only there) for the nested run alone."""
     text = (ROOT / "pyproject.toml").read_text()
     addopts = re.search(r'^addopts = "(.*)"', text, re.M).group(1).split()
-    assert addopts[:4] == ["-n", "2", "--dist", "loadgroup"], addopts
-    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
-                          "notebooks/00_launcher_tour.ipynb", "notebooks/04_measuring_bandwidth.ipynb",
-                          "tests/test_costmodel.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    conftest = _root_conftest()
-    assert conftest.unit_of("notebooks/00_launcher_tour.ipynb") == "notebooks/00_launcher_tour.ipynb"
-    assert conftest.unit_of("notebooks/04_measuring_bandwidth.ipynb") == conftest.unit_of("tests/test_engine.py")
-    ids = [line for line in run.stdout.splitlines() if "::" in line]
-    files = [line.split("::")[0] for line in ids]
-    for path in set(files):
-        at = [i for i, f in enumerate(files) if f == path]
-        assert at == list(range(at[0], at[-1] + 1)), f"{path}'s items are not kept together: {files}"
-    cells = [line for line in ids if line.startswith("notebooks/00_launcher_tour.ipynb")]
-    numbers = [int(re.search(r"Cell (\d+)", c).group(1)) for c in cells]
-    assert numbers and numbers == sorted(numbers), f"a notebook's cells must stay in order: {numbers}"
+    assert addopts[:4] == ["-n", "2", "--dist", "loadscope"], addopts
+    probe = ROOT / "tests" / f".xdist-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        (probe / "test_probe_one.py").write_text(PROBE_MODULE)
+        (probe / "test_probe_two.py").write_text(PROBE_MODULE)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", str(probe)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, XDIST_PROBE_LOG=str(tmp_path / "log")))
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    workers = {}
+    for line in (tmp_path / "log").read_text().splitlines():
+        name, worker = line.split()
+        workers.setdefault(name, set()).add(worker)
+    assert sorted(workers) == ["test_probe_one.py", "test_probe_two.py"], workers
+    assert all(len(w) == 1 for w in workers.values()), f"a module's tests ran on several workers: {workers}"

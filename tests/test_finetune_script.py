@@ -1,12 +1,23 @@
 """scripts/finetune_lora.py (15_fine_tuning_small_cards) under torchrun on the CPU with the tiny Llama: one node of 2
 ranks (DDP and FSDP), two "nodes" of 1 rank (static rendezvous), a rank killed under ``--max-restarts=1`` (the job
-restarts and resumes from its DCP checkpoint by itself) and a resume at another world size.
+restarts and resumes from its DCP checkpoint by itself), a resume at another world size, and the adapters it saves
+in peft's format. (Its memory at Llama 2 7B's size: tests/test_finetune_fits.py.)
+
+Seven torchruns, each paying the imports of every rank, so each serves as many checks as it can:
+- ``straight`` (module fixture), DDP on 1 node x 2, with a DCP checkpoint at the end and ``--adapter-dir``: the
+  reference loss, the same-loss check, and the adapters written where ``--adapter-dir`` says;
+- ``straight``, FSDP on 1 node x 2, checkpoints at steps 3 and 6: the reference of every FSDP check, the adapters
+  written beside the checkpoints, and the step-3 checkpoint that the other-world-size test resumes on 1 rank;
+- two nodes of 1 rank (two torchruns); the killed rank (one torchrun, two attempts); the resume on 1 rank; the
+  restarted attempt's store (a small script, not the fine-tuning one).
 
     .venv/bin/python -m pytest tests/test_finetune_script.py -p no:randomly
 """
 import re
+import shutil
 
 import pytest
+import torch
 
 from conftest import ROOT, finish, kill_process_group, retry_on_port_clash, start_torchrun, wait_until_listening
 
@@ -30,15 +41,21 @@ def _run(what, *torchrun_args, script_args=(), timeout=800):
 
 
 @pytest.fixture(scope="module")
-def straight():
-    """Uninterrupted 6-step runs on one node of 2 ranks, per strategy: the references."""
-    out = {}
-    for strategy in ("ddp", "fsdp"):
+def straight(tmp_path_factory):
+    """Uninterrupted 6-step runs on one node of 2 ranks, per strategy: the references. Their checkpoints and adapters
+    are kept: ``{strategy: final loss}``, ``dirs[strategy]`` (DCP checkpoints), ``adapters[strategy]``."""
+    root = tmp_path_factory.mktemp("straight")
+    out = {"dirs": {}, "adapters": {}}
+    for strategy, extra in (("ddp", ["--adapter-dir", root / "ddp-adapters"]), ("fsdp", ["--save-every", "3"])):
+        ckpt = root / strategy
         text = _run(f"{strategy}, 1 node x 2", "--standalone", "--nproc-per-node=2",
-                    script_args=["--strategy", strategy])
+                    script_args=["--strategy", strategy, "--checkpoint-dir", ckpt, *extra])
         assert "tokens/s" in text and "peak memory" in text, text[-3000:]
         assert text.count("2 ranks on cpu") == 2, f"each rank reports its speed and memory:\n{text[-3000:]}"
+        assert text.count("adapters saved in") == 1, f"rank 0, and only rank 0, saves the adapters:\n{text[-3000:]}"
         out[strategy] = _final(text, strategy)
+        out["dirs"][strategy] = ckpt
+        out["adapters"][strategy] = root / "ddp-adapters" if strategy == "ddp" else ckpt
     return out
 
 
@@ -46,6 +63,34 @@ def test_ddp_and_fsdp_train_the_same_adapters(straight):
     assert 2.0 < straight["ddp"] < 4.5, straight
     assert abs(straight["ddp"] - straight["fsdp"]) < 1e-4, (
         f"DDP over the adapters and FSDP over the frozen base should reach the same loss: {straight}")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_saved_adapters_load_in_peft_with_the_trained_logits(straight, strategy):
+    """What the user loads (``PeftModel.from_pretrained`` on the base) computes what the script trained: the DCP
+    checkpoint of the last step, loaded into the course's LoRA model."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+
+    from course_utils.lora import add_lora, finetune_batch, load_model, tiny_tokenizer
+
+    folder = straight["adapters"][strategy]
+    found = sorted(p.name for p in folder.iterdir())
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(found), f"{folder} holds {found}"
+    trained = add_lora(load_model("tiny", seed=0), ("q_proj", "v_proj"), r=4, alpha=8)
+    adapters = {k: v for k, v in trained.state_dict().items() if "lora_" in k}
+    dcp.load({"model": adapters}, checkpoint_id=str(straight["dirs"][strategy] / "step_6"))
+    trained.load_state_dict(adapters, strict=False)
+    assert all(trained.get_submodule(k.rsplit(".", 1)[0]).lora_B.abs().sum() > 0 for k in adapters), (
+        "the checkpoint's B matrices are still zero: the run trained nothing")
+    loaded = PeftModel.from_pretrained(load_model("tiny", seed=0), str(folder))
+    x, _ = finetune_batch(tiny_tokenizer()[1], 0, 0, 2, 2, block_size=32)
+    with torch.no_grad():
+        base = load_model("tiny", seed=0)(input_ids=x).logits
+        want, got = trained(input_ids=x).logits, loaded(input_ids=x).logits
+    assert (want - base).abs().max() > 1e-3, "the trained model still computes the base's logits"
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m: (
+        f"{strategy}: PeftModel.from_pretrained(base, {folder}) does not compute the trained model's logits: {m}"))
 
 
 def test_two_nodes_of_one_rank_equal_one_node_of_two(straight):
@@ -81,13 +126,12 @@ def test_a_killed_rank_restarts_the_job_which_resumes_by_itself(straight, tmp_pa
 
 
 def test_resume_at_another_world_size(straight, tmp_path):
-    first = _run("fsdp, 2 ranks, 3 steps", "--standalone", "--nproc-per-node=2",
-                 script_args=["--strategy", "fsdp", "--checkpoint-dir", tmp_path, "--save-every", "3",
-                              "--steps", "3"])
-    assert (tmp_path / "latest").read_text().strip() == "step_3", first[-2000:]
+    """Resumes on 1 rank from the step-3 checkpoint that the FSDP reference run wrote on 2 ranks."""
+    shutil.copytree(straight["dirs"]["fsdp"] / "step_3", tmp_path / "step_3")
+    (tmp_path / "latest").write_text("step_3")
     out = _run("fsdp, resumed on 1 rank", "--standalone", "--nproc-per-node=1",
                script_args=["--strategy", "fsdp", "--checkpoint-dir", tmp_path, "--resume"])
-    assert "resumed from" in out and "on 1 ranks" in out, out[-3000:]
+    assert "resumed from" in out and "at step 3" in out and "on 1 ranks" in out, out[-3000:]
     # 2 ranks summed the first 3 steps' gradients in another order than 1 rank would: rounding, not bit for bit
     assert abs(_final(out, "resumed at 1 rank") - straight["fsdp"]) < 1e-4, (out[-2000:], straight)
 
