@@ -35,8 +35,7 @@ TIMED = {
 # A module known to take long on 2 cores starts early (seconds on a quiet 2-core machine; a guess is enough: the
 # order only balances the two workers). Lessons use their stored execution times instead.
 LONG_MODULES = {"tests/test_browser.py": 120, "tests/test_finetune_script.py": 120, "tests/test_scale_out.py": 90,
-                "tests/test_readme_promises.py": 90, "tests/test_kernel.py": 90,
-                "tests/test_engine_spawn_start.py": 90}
+                "tests/test_readme_promises.py": 90, "tests/test_kernel.py": 90}
 
 
 def _stored_seconds(path):

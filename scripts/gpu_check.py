@@ -24,7 +24,9 @@ and what passed:
 - every lesson's ``%%ddp`` cells that can run on NCCL (no ``--backend gloo`` in force), in order, on NCCL at
   world size 1. A lesson stops at its first error: an error about devices (a CPU tensor on NCCL, tensors on
   two devices) fails the check; any other error (a cell written for several ranks, a name from a notebook
-  cell that runs outside the ranks) is reported, not failed.
+  cell that runs outside the ranks) is reported, not failed;
+- last, that this process, which started every cluster above as a notebook does, never initialised CUDA
+  (``torch.cuda.is_initialized()``): the README's promise, since a fork of a process with CUDA initialised breaks.
 
 Exit code 0 when every check passed (or was skipped), 1 when one failed. Without CUDA it says so and exits 0
 with every row "skipped (no CUDA)".
@@ -64,6 +66,7 @@ PLAN = [
     ("fine-tuning", "finetune_lora.py on NCCL: DDP, FSDP2 over LoRA (lesson 15)"),
     ("lessons", "%%ddp cells that can run on NCCL: NCCL, world size min(-n, GPUs)"),
     ("lessons", "the same cells at their -n, gloo, every rank's device = cuda:0"),
+    ("engine", "the notebook process never initialised CUDA"),
 ]
 
 
@@ -586,10 +589,29 @@ def check_lessons_gloo_cuda(ctx, budget_s=100):
     return _lesson_rows(ctx, "gloo+CUDA", "gloo", lambda n: n, True, budget_s)
 
 
+# ---- the notebook process ------------------------------------------------------------------------------------
+
+def cuda_in_this_process(modules=None):
+    """(status, detail): FAILED if this process (``modules``: its ``sys.modules``) has initialised CUDA. It plays
+    the notebook: it counts GPUs through NVML and starts every cluster, and the ranks alone may touch CUDA."""
+    torch = (sys.modules if modules is None else modules).get("torch")
+    if torch is None:
+        return PASSED, "torch is not imported in this process"
+    if torch.cuda.is_initialized():
+        return FAILED, ("this process initialised CUDA (torch.cuda.is_initialized()): a notebook that starts "
+                        "clusters must not, a fork of it after that breaks")
+    return PASSED, "torch.cuda.is_initialized() is False after every check"
+
+
+def check_notebook_process_cuda(ctx):
+    """Last: nothing above initialised CUDA in this process, the notebook's part."""
+    return cuda_in_this_process()
+
+
 CHECKS = [check_environment, check_nccl_world_1, check_error_on_nccl, check_stuck_on_gpu, check_two_ranks,
           check_gloo_cuda, check_micro_ddp_gloo_cuda, check_micro_ddp_nccl, check_micro_fsdp, check_bf16_nccl,
           check_bf16_gloo, check_flight_recorder_and_trace, check_finetune_script, check_lessons_nccl,
-          check_lessons_gloo_cuda]
+          check_lessons_gloo_cuda, check_notebook_process_cuda]
 
 
 # ---- the table ----------------------------------------------------------------------------------------------

@@ -71,6 +71,16 @@ for _var, _sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "config"), 
     os.environ[_var] = os.path.join(TEST_JUPYTER, _sub)
 os.environ.pop("JUPYTER_PATH", None)
 
+# The learner's HOME is no place for the tests either. Tools that the suite runs keep their settings and caches in
+# the XDG folders (Chromium under the browser test writes ~/.config/chromium and ~/.cache/dconf, pip its cache): each
+# pytest process points them into a temporary folder of its own, removed when it ends. A test that runs a tool which
+# writes into HOME itself (git, pip, a build) gives it a temporary HOME. HomeCheck below reports what was written.
+TEST_XDG = tempfile.mkdtemp(prefix="micro-ddp-test-xdg-")
+for _var, _sub in (("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"), ("XDG_DATA_HOME", "data"),
+                   ("XDG_STATE_HOME", "state")):
+    os.environ[_var] = os.path.join(TEST_XDG, _sub)
+os.environ["PIP_CACHE_DIR"] = os.path.join(TEST_XDG, "cache", "pip")
+
 
 
 
@@ -94,9 +104,11 @@ _EXTRAS_AT_START = repository_extras()
 
 def pytest_sessionfinish(session, exitstatus):
     """No test may write into the repository: anything new since this file was imported is reported, and fails
-    the run in CI (on a clean clone nobody else writes there; on a shared checkout another person may)."""
-    if _EXTRAS_AT_START is None:
-        return
+    the run in CI (on a clean clone nobody else writes there; on a shared checkout another person may).
+    Under pytest-xdist only the controller checks, once every worker has finished: a worker that ended early
+    would otherwise take another worker's short-lived probe file (test_conftest.py's) for a test's leftover."""
+    if _EXTRAS_AT_START is None or hasattr(session.config, "workerinput"):  # an xdist worker (not the env:
+        return                                                               # a nested pytest inherits it)
     new = sorted((repository_extras() or set()) - _EXTRAS_AT_START)
     if new:
         message = f"the tests wrote into the repository: {new}"
@@ -105,6 +117,77 @@ def pytest_sessionfinish(session, exitstatus):
             reporter.write_line(f"\nconftest: {message}", red=True)
         if in_ci() and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def home_entries(home=None, depth=4, limit=200_000, skip=()):
+    """{path relative to ``home``: mtime in ns} of every entry of ``home`` (default: the user's HOME) down to
+    ``depth`` levels, symbolic links not followed, at most ``limit`` entries; none below a folder in ``skip``.
+    Names and mtimes only, no contents: a new or removed entry shows, and so does one written, or a folder at most
+    ``depth`` levels down that gained or lost an entry (deeper writes are not seen)."""
+    home = os.path.realpath(home or os.path.expanduser("~"))
+    skip = {os.path.realpath(p) for p in skip}
+    found, todo = {}, [(home, 1)]
+    while todo and len(found) < limit:
+        folder, level = todo.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.path in skip:
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    found[os.path.relpath(entry.path, home)] = st.st_mtime_ns
+                    if is_dir and level < depth:
+                        todo.append((entry.path, level + 1))
+        except OSError:
+            continue
+    return found
+
+
+def home_changes(before, after):
+    """The entries new, changed or gone between two ``home_entries`` snapshots, sorted; a folder that changed only
+    because an entry listed here appeared in it or left it is not listed again."""
+    changed = {p for p in before.keys() & after.keys() if before[p] != after[p]}
+    moved = (after.keys() - before.keys()) | (before.keys() - after.keys())
+    changed -= {os.path.dirname(p) for p in moved | changed}
+    return sorted(moved | changed)
+
+
+class HomeCheck:
+    """No test may write into the user's HOME: what changed there between the start and the end of the run is
+    reported, and fails the run in CI (on a CI machine nothing else writes there during the tests). Registered
+    only in the process that runs the session, not in pytest-xdist's workers (which run inside it): told apart by
+    ``config.workerinput``, not by PYTEST_XDIST_WORKER, which a pytest nested in a test inherits. The repository
+    and the temporary folder are not looked at when they lie in HOME: the repository check covers the first, and
+    pytest's temporary directories live in the second."""
+
+    def __init__(self):
+        self.skip = [str(ROOT), tempfile.gettempdir()]
+        self.before = home_entries(skip=self.skip)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        new = home_changes(self.before, home_entries(skip=self.skip))
+        if not new:
+            return
+        home = os.path.expanduser("~")
+        shown = [os.path.join(home, p) for p in new[:30]] + ([f"... {len(new) - 30} more"] if len(new) > 30 else [])
+        message = f"the tests wrote into HOME ({home}): {shown}"
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"\nconftest: {message}", red=True)
+        if in_ci() and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config):
+    # before collection and before any worker starts: the snapshot is the HOME the run began with
+    if not hasattr(config, "workerinput") and not config.pluginmanager.has_plugin("micro-ddp-home-check"):
+        config.pluginmanager.register(HomeCheck(), "micro-ddp-home-check")
+    config.add_cleanup(lambda: shutil.rmtree(TEST_XDG, ignore_errors=True))
 
 
 def pytest_unconfigure(config):

@@ -1,6 +1,9 @@
-"""Shared by the engine's test modules.
+"""Shared by the engine's test modules (a test module never imports another test module).
 
-``Kernel``: a real IPython kernel driven through jupyter_client, as JupyterLab drives it.
+- ``Kernel``: a real IPython kernel driven through jupyter_client, as JupyterLab drives it.
+- ``listening_addresses(pids)``: the local addresses the given processes listen on.
+- ``ranks_below(pid)``: the live ranks started below ``pid``, on either start path.
+- ``wait_until_the_fork_server_has_imported_everything()``: the fork server's idle imports are done.
 """
 import os
 import shutil
@@ -86,3 +89,98 @@ class Kernel:
             self.km.cleanup_resources()
         finally:
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+# ---- the fork server --------------------------------------------------------------------------------------------
+# epoll_wait on x86-64 (232), epoll_pwait on x86-64 (281) and on arm64 (22): the syscalls whose 4th argument is
+# the timeout, -1 (0xffffffff as an int) for "wait for ever"
+_EPOLL_WAITS = {232, 281, 22}
+
+
+def fork_server_waits_for_ever(pid):
+    """True when the fork server ``pid`` waits for its next request with no timeout, from /proc/PID/syscall.
+
+    The server imports _forkstart.LATER (torch._dynamo) between two requests, on its only serving thread, while
+    it waits with a timeout of _forkstart.IDLE_S; it waits with none only once nothing is left to import. So a
+    rank forked after this returned True has every module of LATER. None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    if len(fields) < 5 or not fields[0].isdigit():  # "running", or a process that is not in a syscall
+        return False
+    return int(fields[0]) in _EPOLL_WAITS and int(fields[4], 16) & 0xFFFFFFFF == 0xFFFFFFFF
+
+
+def wait_until_the_fork_server_has_imported_everything(timeout=120.0):
+    """Start the fork server if needed, then wait (up to ``timeout`` s) until it has imported _forkstart.LATER.
+    Raises AssertionError when that does not happen or cannot be seen."""
+    from multiprocessing import forkserver
+
+    from course_utils.engine import _forkstart
+
+    assert _forkstart.context() is not None, "the fork server did not start"
+    pid = forkserver._forkserver._forkserver_pid
+    deadline = time.monotonic() + timeout
+    while True:
+        state = fork_server_waits_for_ever(pid)
+        assert state is not None, f"/proc/{pid}/syscall cannot be read: the fork server's wait cannot be seen"
+        if state:
+            return
+        assert time.monotonic() < deadline, f"the fork server (pid {pid}) still imports after {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+# ---- processes and sockets --------------------------------------------------------------------------------------
+
+def listening_addresses(pids):
+    """Local addresses of the TCP sockets the given processes listen on (psutil, else Linux /proc)."""
+    try:
+        import psutil
+
+        return [c.laddr.ip for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN]
+    except ImportError:
+        pass
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if parts[3] == "0A" and parts[9] in inodes:  # 0A: LISTEN
+                    found.append(parts[1].split(":")[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F",
+            "127.0.0.1", "::1", "::ffff:127.0.0.1"}  # as psutil or /proc/net/tcp{,6} write them
+
+
+def ranks_below(pid):
+    """Every live descendant of ``pid`` that leads its own session: on both start paths each rank calls
+    setsid (the fork server's children) or is started with start_new_session (fresh interpreters); the fork
+    server and multiprocessing's resource tracker do not. Linux only (/proc)."""
+    from conftest import children_of
+
+    found, todo = set(), [pid]
+    while todo:
+        for child in children_of(todo.pop()):
+            todo.append(child)
+            try:
+                with open(f"/proc/{child}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == child:  # its session id is its own pid
+                found.add(child)
+    return found

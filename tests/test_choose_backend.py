@@ -96,3 +96,18 @@ def test_the_environment_check_reports_what_ddp_would_pick(gpus, capsys):
     gpus(None)
     check_environment(world_sizes=(2,))
     assert "%%ddp -n 2 would use gloo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("version, verdict", [("2.13.0", "OK"), ("2.13.1+cpu", "OK"), ("2.12.1", "FAIL"),
+                                              ("2.14.0+cu128", "FAIL"), ("2.1.3", "FAIL"), ("2.130.0", "FAIL")])
+def test_the_environment_check_fails_on_another_torch_than_2_13(gpus, capsys, monkeypatch, version, verdict):
+    from course_utils.engine.env import check_environment
+
+    gpus(None)
+    monkeypatch.setattr(torch, "__version__", version)
+    ok = check_environment(world_sizes=(2,))
+    out = capsys.readouterr().out
+    assert f"[{verdict}] torch 2.13 (the version the course is tested with)" in out, out
+    if verdict == "FAIL":
+        assert ok is False, f"torch {version}: check_environment() returned {ok}, though it printed [FAIL]"
+    assert f"torch {version}" in out, "the 'This machine:' line names the version found"

@@ -188,41 +188,52 @@ def test_torch_dynamo_is_imported_before_the_first_cell_and_ddp_works():
     # init_process_group it kept the group alive (through torch.distributed.nn's defaults). Forked ranks get
     # it from the fork server, which imports it once it has been idle (_forkstart.LATER, off the first start's
     # path); fresh interpreters import only torch.distributed.nn before their group (issue 30).
+    # A rank forked before the server has imported it imports torch._dynamo itself, when it needs it: the test
+    # waits until the server waits for requests with no timeout, which it does only once it has imported LATER.
     from course_utils.engine import _forkstart
+    from engine_helpers import wait_until_the_fork_server_has_imported_everything
 
     forked = _forkstart.wanted()
-    deadline = time.monotonic() + 120
-    while True:  # a rank forked before the server went idle imports torch._dynamo itself, when it needs it
-        with Cluster(world_size=2, backend="gloo") as cluster:
-            got = cluster.run("import sys\n'torch.distributed.nn' in sys.modules, 'torch._dynamo' in sys.modules")
-        if got == [(True, forked)] * 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert got == [(True, forked)] * 2
+    if forked:
+        wait_until_the_fork_server_has_imported_everything()
+    with Cluster(world_size=2, backend="gloo") as cluster:
+        got = cluster.run("import sys\n'torch.distributed.nn' in sys.modules, 'torch._dynamo' in sys.modules")
+    assert got == [(True, forked)] * 2, "forked ranks have torch._dynamo from the server, fresh interpreters not yet"
     with Cluster(world_size=2, backend="gloo") as cluster:
         assert cluster.run("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
                            "type(model).__name__") == ["DistributedDataParallel"] * 2
 
 
-def test_a_failure_with_a_callback_holding_the_group_leaves_every_rank_alive(cluster4):
+def test_a_failure_with_a_callback_holding_the_group_leaves_every_rank_alive(cluster4, tmp_path):
     # PowerSGD's hook chains futures whose callbacks hold the process group; gloo runs them on its
     # own threads when the failure errors out the pending work. The rank used to free the old group
     # there, in a callback: the group's destructor joined its own thread and the rank aborted
     # ("Resource deadlock avoided") after the report, so the next cell found it dead.
+    # The callback's default arguments are (token, group); a tuple drops its items last to first, so the
+    # callback's reference to the group goes first and the token's finalizer writes `released` only after it:
+    # the test waits for that (or for rank 0 to die), not for a fixed time.
     pids = list(cluster4.pids)
-    for _ in range(2):
+    for attempt in range(2):
+        released = tmp_path / f"released-{attempt}"
         with pytest.raises(DistributedError) as info:
-            cluster4.run("import time, torch, torch.distributed as dist\n"
+            cluster4.run("import time, weakref, torch, torch.distributed as dist\n"
+                         "class Token:\n    pass\n"
                          "def fail_with_a_callback_pending():\n"
                          "    group = dist.group.WORLD\n"
                          "    if rank == 0:  # the others never join: the failure releases it\n"
+                         "        token = Token()\n"
+                         f"        weakref.finalize(token, lambda: open({str(released)!r}, 'w').close())\n"
                          "        work = dist.all_reduce(torch.ones(1), group=group, async_op=True)\n"
-                         "        work.get_future().then(lambda fut, group=group: time.sleep(0.5))\n"
+                         "        work.get_future().then(lambda fut, token=token, group=group: time.sleep(0.5))\n"
+                         "        del token\n"
                          "    raise ValueError('boom')\n"
                          "fail_with_a_callback_pending()", timeout=120)
         assert "names you defined are kept" in str(info.value)
-        time.sleep(1.5)  # the callback has ended
+        deadline = time.monotonic() + 120
+        while not released.exists() and cluster4.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert cluster4.alive and cluster4.pids == pids, "a rank died after the failure"
+        assert released.exists(), "the callback still held the group after 120 s"
     assert cluster4.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") \
         == [4.0] * 4
 
@@ -239,11 +250,24 @@ def test_a_deadlock_is_released_without_losing_names(cluster4):
     assert cluster4.pull("kept_through_deadlock") == [0, 1, 2, 3]
 
 
-def test_a_bug_on_every_rank_is_blamed_on_the_lowest_rank_every_time(cluster4):
-    for _ in range(3):  # rank 3 raises first, by up to seconds: the same bug is still blamed on rank 0
+def test_a_bug_on_every_rank_is_blamed_on_the_lowest_rank_every_time(cluster4, monkeypatch, tmp_path):
+    # Rank 3 raises first, always: the others raise only once it has written `first`, and rank 0 comes last. The
+    # engine waits ERROR_GRACE_S (2 s) after the first error for the others; raised here to 120 s so that the
+    # order alone decides, however late a loaded machine runs rank 0 (every rank raises: nobody waits it out).
+    from course_utils.engine import launcher
+
+    monkeypatch.setattr(launcher, "ERROR_GRACE_S", 120.0)
+    for attempt in range(3):
+        first = tmp_path / f"first-{attempt}"
         with pytest.raises(DistributedError) as info:
-            # 0.3 s from rank 3 to rank 0, against the engine's 2 s of grace after the first error
-            cluster4.run("import time\ntime.sleep(0.1 * (3 - rank))\nraise KeyError(rank)", timeout=120)
+            cluster4.run("import os, time\n"
+                         "if rank == 3:\n"
+                         f"    open({str(first)!r}, 'w').close()\n"
+                         "else:\n"
+                         f"    while not os.path.exists({str(first)!r}):\n"
+                         "        time.sleep(0.01)\n"
+                         "    time.sleep(0.1 * (3 - rank))\n"
+                         "raise KeyError(rank)", timeout=120)
         assert info.value.rank == 0, "the blamed rank must not depend on which rank was fastest"
         assert "rank 3: then raised KeyError" in str(info.value)
 
@@ -295,8 +319,10 @@ def test_skipped_collective_times_out_with_stacks_and_recovers(cluster4):
 
 def test_endless_loop_times_out_and_idle_time_does_not_count(cluster4):
     cluster4.run("rank")
-    time.sleep(2.0)  # idle between cells, longer than the next cell's limit: it must not count
-    assert cluster4.run("import time\ntime.sleep(0.2)\nrank", timeout=1.5) == [0, 1, 2, 3]  # 7.5x the work
+    time.sleep(5.5)  # idle between cells, longer than the next cell's limit: it must not count
+    # 5 s for 0.2 s of sleep and a round trip (0.3 s on 2 loaded cores): 25x the work. An engine that counted
+    # the idle time is past its limit before the cell starts, and the 0.2 s gives its timer the time to fire.
+    assert cluster4.run("import time\ntime.sleep(0.2)\nrank", timeout=5) == [0, 1, 2, 3]
     with pytest.raises(DistributedTimeout) as info:
         cluster4.run("import time\nwhile rank == 1:\n    time.sleep(0.05)", timeout=2)
     assert "rank 1 did not finish" in str(info.value)
@@ -482,41 +508,12 @@ def test_launch_runs_once_and_leaves_nothing():
     assert not [pid for _, pid in out if alive(pid)], "the ranks of launch() end with it"
 
 
-def _listening_addresses(pids):
-    """Local addresses of the TCP sockets the given processes listen on (psutil, else Linux /proc)."""
-    try:
-        import psutil
-
-        return [c.laddr.ip for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
-                if c.status == psutil.CONN_LISTEN]
-    except ImportError:
-        pass
-    inodes = set()
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                if parts[3] == "0A" and parts[9] in inodes:  # 0A: LISTEN
-                    found.append(parts[1].split(":")[0])
-    return found
-
-
 def test_every_socket_listens_on_loopback_only(cluster4):
-    pids = cluster4.pids
-    addrs = _listening_addresses(pids)
+    from engine_helpers import LOOPBACK, listening_addresses
+
+    addrs = listening_addresses(cluster4.pids)
     assert addrs, "the ranks should be listening somewhere (store, gloo): the check would be vacuous"
-    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F",
-                "127.0.0.1", "::1", "::ffff:127.0.0.1"}
-    assert set(addrs) <= loopback, f"a socket listens beyond 127.0.0.1: {addrs}"
+    assert set(addrs) <= LOOPBACK, f"a socket listens beyond 127.0.0.1: {addrs}"
 
 
 def test_repeated_launches_leak_no_processes_or_fds():

@@ -1,8 +1,8 @@
 """The engine faults of the second code review (issue 24), each reproduced on 2 gloo ranks, and the
 engine promises of the tests audit (issue 25) that need the engine itself.
 
-Each test failed on the engine before the fix. test_engine_spawn_start.py runs the ones that apply to
-both start paths again with the ranks as fresh interpreters.
+Each test failed on the engine before the fix. test_engine_spawn_start.py checks the start path of fresh
+interpreters on a few of them (a shared 2-rank cluster); the rest apply to the fork server's start.
 """
 import os
 import resource

@@ -120,18 +120,30 @@ def test_a_rank_that_dies_between_calls_is_reported_not_replaced_silently(make_c
 def test_output_after_a_call_ended_is_shown_with_a_note_and_an_endless_printer_does_not_hold_the_call(
         make_cluster, capfd, tmp_path):
     c = make_cluster(2, timeout=60)
+    printed = tmp_path / "printed"  # written once the late words are in the pipe: the next call must show them
     c.run("import threading, time\nif rank == 0:\n"
-          "    threading.Timer(0.5, print, ('late words',), {'flush': True}).start()")
-    time.sleep(2)
+          "    def late():\n        print('late words', flush=True)\n"
+          f"        open({str(printed)!r}, 'w').close()\n"
+          "    threading.Timer(0.5, late).start()")
+    deadline = time.monotonic() + 60
+    while not printed.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert printed.exists(), "rank 0's timer did not print within 60 s"
     c.run("None")
     out = capfd.readouterr().out
     assert "note: rank 0 printed this after its previous call had finished" in out and "[rank 0] late words" in out
     stop = tmp_path / "stop"
-    release = threading.Timer(30, stop.touch)  # the printer stops after 30 s, or when the call has returned
+    # The printer stops when the test touches `stop`: after the call has returned, or after 60 s if the call
+    # waits for the printer (which then fails the assert below). The cell returns only once the printer has
+    # filled the pipe at least once over (64 KiB), so the call really ends with the printer still printing.
+    release = threading.Timer(60, stop.touch)
     release.start()
     try:
-        c.run(f"import os\ndef printer():\n    while not os.path.exists({str(stop)!r}):\n        print('x' * 200)\n"
-              "if rank == 1:\n    threading.Thread(target=printer, daemon=True).start()\n    time.sleep(0.2)")
+        c.run("import os\nlines = 0\nstarted = threading.Event()\ndef printer():\n    global lines\n"
+              f"    while not os.path.exists({str(stop)!r}):\n        print('x' * 200)\n        lines += 1\n"
+              "        if lines == 400:\n            started.set()\n"
+              "if rank == 1:\n    threading.Thread(target=printer, daemon=True).start()\n"
+              "    assert started.wait(60), 'the printer did not start'")
         assert not stop.exists(), "the call waited for the endless printer to stop"
     finally:
         release.cancel()
@@ -140,21 +152,31 @@ def test_output_after_a_call_ended_is_shown_with_a_note_and_an_endless_printer_d
     capfd.readouterr()
 
 
-def test_a_restart_from_another_thread_while_a_call_runs_is_refused_clearly(make_cluster):
+def test_a_restart_from_another_thread_while_a_call_runs_is_refused_clearly(make_cluster, tmp_path):
     c = make_cluster(2, timeout=60)
     errors = []
+    running, release = tmp_path / "running", tmp_path / "release"
 
-    def restart_soon():
-        time.sleep(1)
+    def restart_while_it_runs():  # once the call runs on the ranks; then the call may end
         try:
+            deadline = time.monotonic() + 60
+            while not running.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             c.restart()
         except RuntimeError as exc:
             errors.append(str(exc))
+        finally:
+            release.touch()
 
-    t = threading.Thread(target=restart_soon)
+    t = threading.Thread(target=restart_while_it_runs)
     t.start()
-    assert c.run("import time\ntime.sleep(3)\nrank") == [0, 1]
-    t.join()
+    try:
+        assert c.run(f"import os, time\nif rank == 0:\n    open({str(running)!r}, 'w').close()\n"
+                     f"while not os.path.exists({str(release)!r}):\n    time.sleep(0.01)\nrank") == [0, 1]
+    finally:
+        release.touch()
+        t.join()
+    assert running.exists(), "the call never ran"
     assert errors and "busy with a call from another thread" in errors[0], errors
 
 

@@ -109,6 +109,31 @@ def test_only_a_device_error_fails_a_lesson(gpu_check):
     assert status == "info" and detail.startswith("gloo does not serve this"), detail
 
 
+def test_the_last_check_fails_when_the_notebook_process_initialised_cuda(gpu_check, monkeypatch):
+    """The README's promise ("the notebook process never initialises CUDA itself") on the GPU: the check that runs
+    last asks torch.cuda.is_initialized() in the script's own process, which started every cluster."""
+    import types
+
+    import torch
+
+    assert gpu_check.CHECKS[-1] is gpu_check.check_notebook_process_cuda and len(gpu_check.CHECKS) == \
+        len(gpu_check.PLAN), "it runs last, after everything that could initialise CUDA here"
+    assert gpu_check.PLAN[-1] == ("engine", "the notebook process never initialised CUDA")
+
+    def modules(initialised):
+        return {"torch": types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: initialised))}
+
+    status, detail = gpu_check.cuda_in_this_process(modules(True))
+    assert status == "FAILED" and "initialised CUDA" in detail, detail
+    assert gpu_check.cuda_in_this_process(modules(False))[0] == "passed"
+    assert gpu_check.cuda_in_this_process({})[0] == "passed", "no torch here: nothing initialised"
+    assert gpu_check.check_notebook_process_cuda(None)[0] == "passed", "this CPU process never initialised CUDA"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    rows = gpu_check.run_checks(gpu_check.Context(gpus=1), [gpu_check.check_notebook_process_cuda],
+                                [gpu_check.PLAN[-1]])
+    assert rows[0][2] == "FAILED" and gpu_check.exit_code(rows) == 1, rows
+
+
 def _on_cpu(source):
     return (source.replace('torch.device("cuda", local_rank % torch.cuda.device_count())', 'torch.device("cpu")')
             .replace('== "cuda"', '== "cpu"').replace('("cuda", [', '("cpu", ['))

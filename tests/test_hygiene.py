@@ -158,19 +158,35 @@ def test_readme_has_the_lesson_map():
     assert not unlisted, f"README.md's lesson map does not link these notebooks: {unlisted}"
 
 
-def test_ruff_is_clean():
+def _needs_ruff():
+    """Skip without ruff, except under CI, where a skip would hide that the check never ran: fail there."""
     try:
         import ruff  # noqa: F401
     except ImportError:
+        message = "ruff is not installed in the venv (pip install -e '.[test]')"
         if in_ci():
-            pytest.fail("ruff is not installed in the venv (pip install -e '.[test]')")
-        pytest.skip("ruff is not installed in the venv (pip install -e '.[test]')")
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def test_without_ruff_the_ruff_checks_skip_but_fail_under_ci(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ruff", None)  # `import ruff` raises ImportError
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="ruff is not installed"):
+        _needs_ruff()
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="ruff is not installed"):
+        _needs_ruff()
+
+
+def test_ruff_is_clean():
+    _needs_ruff()
     run = subprocess.run([*RUFF, *RUFF_PATHS], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, f"ruff check {' '.join(RUFF_PATHS)} found problems:\n{run.stdout}{run.stderr}"
 
 
 def test_the_ruff_check_writes_no_cache(tmp_path):
-    pytest.importorskip("ruff")
+    _needs_ruff()
     (tmp_path / "pyproject.toml").write_text("[tool.ruff]\n")
     (tmp_path / "one.py").write_text("x = 1\n")
     run = subprocess.run([*RUFF, "one.py"], cwd=tmp_path, capture_output=True, text=True)

@@ -173,8 +173,9 @@ class Scanner:
             return None
         try:
             tree = ast.parse(src)
-        except SyntaxError:
-            return None
+        except SyntaxError as exc:  # a helper this check cannot read is a helper it would wave through
+            raise AssertionError(f"{mod} does not parse, so the cells that call it cannot be checked: "
+                                 f"{exc}") from None
         env = {}
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -895,6 +896,13 @@ def test_the_rule_lets_correct_cells_through():
 def test_a_ddp_cell_that_does_not_parse_fails_the_scan_instead_of_being_skipped():
     with pytest.raises(AssertionError, match=r"cell 1: the %%ddp cell does not parse"):
         scan_source("x = 1", "%%ddp\nimport torch\nt = torch.ones(3\ndist.all_reduce(t)")
+
+
+def test_a_course_utils_module_that_does_not_parse_fails_the_scan_instead_of_being_skipped():
+    files = {"course_utils/fake_checks.py": "import torch\n\ndef check_avg(fn:\n    fn(torch.arange(6.))\n"}
+    with pytest.raises(AssertionError, match=r"course_utils\.fake_checks does not parse"):
+        scan_source("%%ddp\nfrom course_utils.fake_checks import check_avg\n"
+                    "def f(flat):\n    return dist.all_reduce(flat)\ncheck_avg(f)", read=lambda rel: files.get(rel))
 
 
 def test_backend_gloo_pins_the_cell_and_the_cells_after_it_until_a_shutdown_or_another_backend():

@@ -17,6 +17,11 @@ REQUIRED = [  # (import name, why the course needs it)
 ]
 
 
+def _is_torch_2_13(version):
+    """True for 2.13 in any patch release and build ("2.13.0", "2.13.1+cpu"), not for "2.1.3" or "2.130"."""
+    return version.split("+")[0].split(".")[:2] == ["2", "13"]
+
+
 def check_environment(world_sizes=(1, 2, 4)):
     """Print [OK]/[FAIL] per requirement, the devices, and the backend %%ddp would choose.
 
@@ -42,7 +47,7 @@ def check_environment(world_sizes=(1, 2, 4)):
     import torch
     import torch.distributed as dist
 
-    report(torch.__version__.startswith("2.13"), "torch 2.13 (the version the course is tested with)")
+    report(_is_torch_2_13(str(torch.__version__)), "torch 2.13 (the version the course is tested with)")
     report(dist.is_available(), "torch.distributed is available")
     report(dist.is_gloo_available(), "the gloo backend (CPU) is available")
     gpus = _gpu_count()
