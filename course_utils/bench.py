@@ -441,26 +441,55 @@ def _near(a, b, rtol=1e-6):
     return abs(a - b) <= rtol * abs(b)
 
 
+PRINTED_TIME_S = 0.05e-6  # format_table prints time_s in microseconds with one decimal: within 0.05 us
+
+
 def check_busbw(my_busbw, row, world_size):
-    """Exercise 1 of 04: ``my_busbw`` (bytes per second) computed by hand from ``row``'s bytes and time_s."""
+    """Exercise 1 of 04: ``my_busbw`` (bytes per second) computed by hand from ``row``'s bytes and time_s.
+
+    An answer computed from the time as ``format_table`` prints it (microseconds, one decimal) is accepted: the
+    tolerance is the rounding of the printed time relative to it (``PRINTED_TIME_S / time_s``), at least 1e-6.
+    """
     __tracebackhide__ = True
     if my_busbw is None:
         raise _fail("Set my_busbw (bytes per second, from row['bytes'] and row['time_s']) and run the cell again.")
+    if not isinstance(my_busbw, (int, float)) or isinstance(my_busbw, bool):
+        raise _fail(f"my_busbw should be a number of bytes per second, got {type(my_busbw).__name__}.")
+    rtol = max(1e-6, 1.01 * PRINTED_TIME_S / row["time_s"])  # the printed time's rounding, with a little slack
+
+    def near(a, b):
+        return _near(a, b, rtol)
+
+    n = world_size
     algbw_ = row["bytes"] / row["time_s"]
-    right = algbw_ * 2 * (world_size - 1) / world_size
-    if _near(my_busbw, right):
+    right = algbw_ * 2 * (n - 1) / n
+    if near(my_busbw, right):
         return
-    if _near(my_busbw, algbw_):
-        raise _fail("That is algbw, the speed the caller sees. busbw multiplies it by the all-reduce's bus factor.")
-    if _near(my_busbw, algbw_ * (world_size - 1) / world_size):
+    if near(my_busbw, algbw_):
+        raise _fail("That is algbw (bytes / time), the speed the caller sees. busbw multiplies it by the "
+                    f"all-reduce's bus factor for n = {n} ranks (section 1).")
+    if near(my_busbw, algbw_ * (n - 1) / n):
         raise _fail("That factor is reduce-scatter's or all-gather's. An all-reduce is a reduce-scatter AND an "
                     "all-gather: each rank sends twice as much.")
-    if _near(my_busbw, algbw_ * world_size / (2 * (world_size - 1))):
+    if near(my_busbw, algbw_ * n / (2 * (n - 1))):
         raise _fail("You divided algbw by the bus factor: busbw is larger than algbw for an all-reduce.")
-    if _near(my_busbw, right / 1e9) or _near(my_busbw, right / 2**30):
+    if near(my_busbw, right / 1e9) or near(my_busbw, right / 2**30):
         raise _fail("Right formula, wrong unit: my_busbw is in bytes per second, not GB/s.")
-    raise _fail(f"{my_busbw:.4g} B/s is {my_busbw / right:.3g}x the busbw of this row. Start from algbw, then "
-                f"apply the all-reduce's bus factor for n = {world_size} ranks (section 1).")
+    if near(my_busbw, right * 1e-6) or near(my_busbw, right * 1e-3):
+        raise _fail("Right formula, wrong unit: row['time_s'] is in seconds; the table prints microseconds (us). "
+                    "my_busbw is in bytes per second.")
+    for binary, decimal in ((2**10, 10**3), (2**20, 10**6)):
+        if near(my_busbw, right * decimal / binary):
+            raise _fail(f"Right formula, but the bytes are decimal: the table's sizes are binary (1 KiB = {2**10} "
+                        f"bytes, 1 MiB = {2**20}). Use row['bytes'] ({row['bytes']}).")
+    ratio = my_busbw / right
+    if abs(ratio - 1) < 0.05:
+        raise _fail(f"{my_busbw:.6g} B/s is {abs(ratio - 1):.2%} {'above' if ratio > 1 else 'below'} the busbw of "
+                    f"this row ({right:.6g} B/s): right formula, but a rounded number. Compute it from row['bytes'] "
+                    "and row['time_s'] as they are (or from the table's time, to its 0.1 us), not from a time or a "
+                    "result rounded further.")
+    raise _fail(f"{my_busbw:.4g} B/s is {ratio:.3g}x the busbw of this row ({right:.4g} B/s). Start from algbw = "
+                f"row['bytes'] / row['time_s'], then apply the all-reduce's bus factor for n = {n} ranks (section 1).")
 
 
 def check_bucket_times(my_times, alpha, beta):

@@ -16,7 +16,9 @@ parameters all take part in every synced backward:
    bucket; a bucket whose distinct parameters are all in starts an asynchronous all-reduce
    while backward goes on, strictly in bucket order;
 4. a callback queued on the autograd engine waits for every bucket at the end of backward, so
-   when ``loss.backward()`` returns, every ``.grad`` holds the average over the ranks;
+   when ``loss.backward()`` returns, every ``.grad`` holds the average over the ranks; it then resets
+   the per-backward state, so a second backward through a retained graph (no forward before it) syncs
+   too (torch 2.13's DDP leaves that one local);
 5. ``no_sync()`` skips all of it: gradients accumulate locally until the next synced backward.
 
 What it does NOT do: torch's DDP also broadcasts rank 0's buffers before every forward (``_sync_buffers``
@@ -31,7 +33,9 @@ Wrapping the same module again hands it to the new wrapper: the old wrapper's ho
 (else every gradient would be all-reduced twice) and the old wrapper refuses to run.
 
 The compressor decides what goes on the wire: ``None`` (fp32), ``"fp16"``, ``"bf16"`` or
-``"powersgd"`` (rank-r factors with error feedback), or any object with the same ``start``.
+``"powersgd"`` (rank-2 factors with error feedback, after ``POWERSGD_WARMUP_STEPS`` = 2 plain all-reduces of
+each gradient, as torch's ``start_powerSGD_iter`` > 1 requires; ``PowerSGD(rank=2, warmup_steps=0)``
+compresses from the first backward), or any object with the same ``start``.
 Compressors with state (PowerSGD) have ``state_dict()``/``load_state_dict()``: save it in the
 checkpoint, or a resumed run is not the same run.
 """
@@ -249,18 +253,23 @@ class MicroDDP(nn.Module):
 
     def _finish(self):  # queued on the autograd engine: runs when backward has computed every grad
         self._record("backward end")
-        for bucket in self.buckets[:self._next]:
-            work, then = bucket.pending
-            work.wait()
-            if then is not None:
-                then()  # e.g. cast fp16 back to fp32, or PowerSGD's second round
-            for i, p in enumerate(bucket.params):
-                p.grad.copy_(bucket.view(i))
-        seen = set(self._seen)
-        missing = [self._names[p] for b in self.buckets[self._next:] for p in b.params if p not in seen]
-        if not missing and self._ready_order is None:
-            self._ready_order = [self._index[p] for p in self._seen]  # the next forward rebuilds from it
-        self._reset()
+        try:
+            for bucket in self.buckets[:self._next]:
+                work, then = bucket.pending
+                work.wait()
+                if then is not None:
+                    then()  # e.g. cast fp16 back to fp32, or PowerSGD's second round
+                for i, p in enumerate(bucket.params):
+                    p.grad.copy_(bucket.view(i))
+            seen = set(self._seen)
+            missing = [self._names[p] for b in self.buckets[self._next:] for p in b.params if p not in seen]
+            if not missing and self._ready_order is None:
+                self._ready_order = [self._index[p] for p in self._seen]  # the next forward rebuilds from it
+        finally:
+            # Reset here, when a backward ends, not only in forward: a second backward through a retained graph
+            # (loss.backward(retain_graph=True), then loss.backward()) has no forward before it, and must queue
+            # its own _finish and launch its own buckets. (torch 2.13's DDP leaves that one's gradients local.)
+            self._reset()
         self._record("synced")
         if missing:
             raise RuntimeError(
@@ -306,6 +315,9 @@ class Cast(AllReduce):
         return work, lambda: flat.copy_(low)
 
 
+POWERSGD_WARMUP_STEPS = 2  # plain all-reduces before PowerSGD compresses: torch's start_powerSGD_iter > 1
+
+
 class PowerSGD:
     """Low-rank compression with error feedback (Vogels et al. 2019), as torch's powerSGD_hook.
 
@@ -318,18 +330,18 @@ class PowerSGD:
     per parameter name, so it survives the bucket rebuild, and ``state_dict()`` returns it (on the
     CPU) for a checkpoint.
 
-    Why ``warmup_steps=0`` is allowed here when torch requires ``start_powerSGD_iter > 1``
-    (09_compression): torch keys its state by ``bucket.index()``, and DDP's rebuild after the first
-    iteration changes what each index holds. MicroDDP keys it by parameter name, so compressing
-    from step 0 is safe for the state. torch's other reason still holds: compressing the very first,
-    large gradients can cost accuracy, so for real training pass ``warmup_steps`` of 2 or more
-    (``PowerSGD(rank=2, warmup_steps=10)``). The default stays 0 so that one backward shows the
-    compression.
+    ``warmup_steps`` defaults to ``POWERSGD_WARMUP_STEPS`` (2), as ``make_compressor("powersgd")`` and
+    ``scripts/train_micro_ddp.py --powersgd-warmup`` do: torch requires ``start_powerSGD_iter > 1`` with error
+    feedback or warm start (09_compression). Of torch's two reasons, the first does not apply here: torch keys
+    its state by ``bucket.index()``, and DDP's rebuild after the first iteration changes what each index holds,
+    while MicroDDP keys it by parameter name, so ``warmup_steps=0`` is safe for the state (11_capstone_micro_ddp
+    passes it to show one compressed backward). The second still holds: compressing the very first, large
+    gradients can cost accuracy, so for real training keep a warm-up (``PowerSGD(rank=2, warmup_steps=10)``).
     """
 
     name = "powersgd"
 
-    def __init__(self, rank=2, warmup_steps=0, seed=0, min_compression_rate=2):
+    def __init__(self, rank=2, warmup_steps=POWERSGD_WARMUP_STEPS, seed=0, min_compression_rate=2):
         self.rank, self.warmup_steps, self.seed = rank, warmup_steps, seed
         self.min_compression_rate = min_compression_rate
         self.errors, self.qs, self.calls = {}, {}, {}
@@ -401,7 +413,10 @@ class PowerSGD:
 
 
 def make_compressor(spec):
-    """``None``/"none", "fp16", "bf16", "powersgd", or an object with a ``start`` method."""
+    """``None``/"none", "fp16", "bf16", "powersgd", or an object with a ``start`` method.
+
+    "powersgd" is ``PowerSGD()``: rank 2, ``warmup_steps=POWERSGD_WARMUP_STEPS`` (2). For another rank or
+    warm-up, pass ``PowerSGD(rank=..., warmup_steps=...)`` itself."""
     if spec is None or spec == "none":
         return AllReduce()
     if isinstance(spec, str):

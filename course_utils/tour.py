@@ -17,41 +17,56 @@ def sum_of_squares_solution():
 
 
 def _probe(fn, use_solution):
-    """Runs on every rank: call the learner's sum_of_squares (or the solution) counting all_reduce calls."""
+    """Runs on every rank: call the learner's sum_of_squares (or the solution), recording each all_reduce's
+    op, its input (before the call) and its result (after it). Returns (kind, detail, calls)."""
     import torch
     import torch.distributed as dist
 
     if use_solution:
         fn = sum_of_squares_solution
     if fn is None:
-        return ("missing", None, 0)
+        return ("missing", None, [])
     real, calls = dist.all_reduce, []
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("op", args[1] if len(args) > 1 else None))
-        return real(*args, **kwargs)
+    def recording(tensor, *args, **kwargs):
+        call = {"op": kwargs.get("op", args[0] if args else None), "input": _values(tensor)}
+        calls.append(call)
+        result = real(tensor, *args, **kwargs)
+        call["output"] = _values(tensor)
+        return result
 
-    dist.all_reduce = counting
+    dist.all_reduce = recording
     try:
         value = fn()
     except NotImplementedError:
-        return ("todo", None, len(calls))
+        return ("todo", None, calls)
     except Exception as exc:
-        return ("error", f"{type(exc).__name__}: {exc}", len(calls))
+        return ("error", f"{type(exc).__name__}: {exc}", calls)
     finally:
         dist.all_reduce = real
     try:
         value = torch.as_tensor(value, dtype=torch.float64)
     except Exception:
-        return ("type", type(value).__name__, len(calls))
+        return ("type", type(value).__name__, calls)
     if value.numel() != 1:
-        return ("shape", tuple(value.shape), len(calls))
-    return ("value", value.item(), len(calls))
+        return ("shape", tuple(value.shape), calls)
+    return ("value", value.item(), calls)
+
+
+def _values(tensor):
+    """A tensor's numbers as a list of floats (None for anything else): what went into or came out of a call."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    return tensor.detach().double().cpu().flatten().tolist()
 
 
 def check_sum_of_squares(use_solution=False, cluster=None, timeout=30):
     """Self-check of exercise 2: ``sum_of_squares()``, defined on the ranks by a ``%%ddp`` cell, must
-    return 0² + 1² + ... + (world_size - 1)² on every rank, computed with exactly one all-reduce.
+    return 0² + 1² + ... + (world_size - 1)² on every rank, computed with exactly one all-reduce, of this
+    rank's own square (the checker records what each rank all-reduced and what came back: a right number
+    typed in beside an all-reduce of something else fails).
 
     Raises AssertionError with what is wrong; returns quietly when it is right. ``cluster`` defaults
     to the notebook's ``%%ddp`` ranks."""
@@ -81,7 +96,7 @@ def check_sum_of_squares(use_solution=False, cluster=None, timeout=30):
             raise AssertionError(f"sum_of_squares() returned shape {detail}: return one number, "
                                  "e.g. a tensor of one element.")
     values = [v for _, v, _ in got]
-    counts = [c for _, _, c in got]
+    counts = [len(calls) for _, _, calls in got]
     if any(c == 0 for c in counts):
         raise AssertionError("sum_of_squares() called no dist.all_reduce on some rank: each rank knows only its "
                              "own square, the all-reduce is what adds them up across ranks.")
@@ -100,3 +115,17 @@ def check_sum_of_squares(use_solution=False, cluster=None, timeout=30):
     if value != sum(r * r for r in range(n)):
         raise AssertionError(f"sum_of_squares() gave {value:g} on every rank: that is not 0² + 1² + ... + "
                              f"{n - 1}².")
+    # The right number is not enough (14 can be typed in): it must be what the all-reduce of the squares gave.
+    for r, (_, _, calls) in enumerate(got):
+        sent = calls[0]["input"]
+        if sent != [float(r * r)]:
+            shown = "something that is not a tensor" if sent is None else f"{sent[0]:g}" if len(sent) == 1 else sent
+            raise AssertionError(f"rank {r} all-reduced {shown}, not its own square {r * r}: the sum must come out "
+                                 "of the all-reduce, so put rank ** 2 in the tensor you all-reduce, and return "
+                                 "that tensor.")
+    for r, (_, _, calls) in enumerate(got):
+        received = calls[0]["output"]
+        if received != [value]:
+            raise AssertionError(f"sum_of_squares() returned {value:g}, but the all-reduce gave {received[0]:g} on "
+                                 f"rank {r}: return the tensor the all-reduce filled, not a number computed or "
+                                 "typed in beside it.")

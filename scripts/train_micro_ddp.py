@@ -31,12 +31,15 @@ Checkpoint every 50 steps; after a crash, the same line plus --resume continues 
   bits: the layout fixes the order in which the ring adds each element. PowerSGD's state is per
   rank, so it resumes only at the world size that saved it; the other compressors resume at any.
   --compressor powersgd sends plain all-reduces for each gradient's first --powersgd-warmup reductions
-  (default 2, as torch's start_powerSGD_iter > 1 requires); --powersgd-warmup 0 compresses from step 0.
+  (default 2, as torch's start_powerSGD_iter > 1 requires, and as MicroDDP's compressor="powersgd" does);
+  --powersgd-warmup 0 compresses from step 0.
 
 Rank 0 prints ``final_loss=<value>`` at the end: the loss of the last step, averaged over the
-global batch. On gloo/CPU it depends only on the options and the world size, never on how the
-ranks are spread over nodes: the data is sharded by global rank, and nothing is random but seeded.
-On NCCL the algorithm and channels depend on the topology, so it agrees to float rounding.
+global batch. A --resume of a run that had already finished trains nothing and prints the final loss
+its checkpoint recorded (a checkpoint past --steps is refused). On gloo/CPU it depends only on the
+options and the world size, never on how the ranks are spread over nodes: the data is sharded by
+global rank, and nothing is random but seeded. On NCCL the algorithm and channels depend on the
+topology, so it agrees to float rounding.
 Backend: NCCL when every local rank has its own GPU, else gloo on CPU.
 """
 import argparse
@@ -50,7 +53,7 @@ import torch.distributed.nn  # noqa: F401  before init_process_group: see the co
 import torch.nn.functional as F
 
 from course_utils.gpt import CharTokenizer, get_batch, load_checkpoint, load_corpus, make_gpt, save_checkpoint
-from course_utils.micro_ddp import MicroDDP, PowerSGD
+from course_utils.micro_ddp import POWERSGD_WARMUP_STEPS, MicroDDP, PowerSGD
 
 
 def parse_args():
@@ -61,7 +64,7 @@ def parse_args():
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on GPUs and CPUs with AMX/AVX512-BF16)")
     p.add_argument("--compressor", default=None, choices=[None, "fp16", "bf16", "powersgd"])
-    p.add_argument("--powersgd-warmup", type=int, default=2,
+    p.add_argument("--powersgd-warmup", type=int, default=POWERSGD_WARMUP_STEPS,
                    help="with --compressor powersgd: plain all-reduces for each gradient's first N reductions "
                         "(torch's start_powerSGD_iter must be > 1: compressing the first, large gradients costs "
                         "accuracy); 0 compresses from the first step")
@@ -167,7 +170,7 @@ def main():
     model = MicroDDP(make_gpt(tokenizer.vocab_size, seed=args.seed).to(device),
                      bucket_cap_mb=args.bucket_cap_mb, compressor=compressor)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    start = 0
+    start, finished_loss = 0, None
     if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
         state = load_checkpoint(args.checkpoint)
         mismatch = resume_mismatch(state.get("options"), args)
@@ -186,8 +189,20 @@ def main():
         if state.get("bucket_order"):
             model.load_bucket_order(state["bucket_order"])  # the layout the saved run rebuilt, not a new one
         start = state["step"]
+        if start > args.steps:
+            raise SystemExit(f"--resume: {args.checkpoint} is at step {start}, past --steps {args.steps}: give "
+                             f"--steps {start} or more to continue it, or start over with a new --checkpoint.")
+        if start == args.steps:
+            if "loss" not in state:  # written before the checkpoint recorded its loss
+                raise SystemExit(f"--resume: the run in {args.checkpoint} already finished at step {start}, and the "
+                                 "checkpoint (an older one) does not record its final loss. Give a larger --steps to "
+                                 "train on, or start over with a new --checkpoint.")
+            finished_loss = state["loss"]
         if rank == 0:
             print(f"resumed from {args.checkpoint} at step {start}")
+            if start == args.steps:
+                print(f"the run already finished at step {start} (--steps {args.steps}): nothing to train; its "
+                      "final loss, from the checkpoint:")
 
     if rank == 0:
         print(f"world_size={world_size} accum_steps={accum_steps} micro_batch_size={micro_batch_size} "
@@ -216,6 +231,7 @@ def main():
             print(f"step {done:4d}  loss {loss.item():.4f}", flush=True)
         if args.checkpoint and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
+                     "loss": loss.item(),  # what final_loss prints if a --resume finds the run finished
                      "bucket_order": model.bucket_order(), "options": run_options(args)}
             compressor_state = to_device(model.compressor.state_dict(), "cpu")
             if compressor_state:  # PowerSGD's differs from rank to rank (each its own error feedback): gather all
@@ -225,7 +241,8 @@ def main():
                 save_checkpoint(args.checkpoint, state)
             dist.barrier()  # nobody reads or overwrites the file before it is complete
     if rank == 0:
-        print(f"final_loss={loss.item()!r}", flush=True)
+        final = loss.item() if finished_loss is None else finished_loss
+        print(f"final_loss={final!r}", flush=True)
     dist.barrier()  # no rank tears down its connections while a peer still has work in flight
     del model, optimizer  # their references to the group and its finished works go before the group does
     dist.destroy_process_group()

@@ -27,11 +27,12 @@ register_by_value(sys.modules[__name__])  # the ranks cannot import this test fi
 
 @pytest.fixture(scope="module")
 def clusters(make_cluster, request):
-    """A 4-rank gloo cluster that the checkers use when a notebook cell calls them without ``clusters=``."""
-    c4 = make_cluster(world_size=4, timeout=30)
+    """The 4-rank gloo cluster that the checkers use when a notebook cell calls them without ``clusters=``, and
+    the 3-rank one that check_ring_shift also runs on."""
+    c4, c3 = make_cluster(world_size=4, timeout=30), make_cluster(world_size=3, timeout=30)
     saved = dict(all_reduce_checks._CLUSTERS)
-    all_reduce_checks._CLUSTERS[4] = c4
-    yield {4: c4}
+    all_reduce_checks._CLUSTERS.update({3: c3, 4: c4})
+    yield {3: c3, 4: c4}
     all_reduce_checks._CLUSTERS.clear()
     all_reduce_checks._CLUSTERS.update(saved)
 
@@ -221,6 +222,33 @@ def shift_the_wrong_way(x):
     return _exchange(x, (rank - 1) % world_size, (rank + 1) % world_size)
 
 
+def shift_two_steps_the_wrong_way(x):
+    """Two steps to the left: on 4 ranks that lands on (rank + 2) % 4 = (rank - 2) % 4, the right tensor."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    first = _exchange(x, (rank - 1) % world_size, (rank + 1) % world_size)
+    return _exchange(first, (rank - 1) % world_size, (rank + 1) % world_size)
+
+
+def shift_two_steps_the_wrong_way_from_any_source(x):
+    """Two steps to the left, receiving from any source (irecv without src): only the sends tell the direction."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    send = x
+    for _ in range(2):
+        buf = torch.zeros_like(x)
+        reqs = [dist.isend(send, dst=(rank - 1) % world_size), dist.irecv(buf)]
+        for req in reqs:
+            req.wait()
+        send = buf
+    return buf
+
+
+def shift_hard_coded_for_4_ranks(x):
+    """Right on 4 ranks; on 3, rank 2 sends to a rank 3 that does not exist."""
+    rank = dist.get_rank()
+    first = _exchange(x, (rank + 1) % 4, (rank - 1) % 4)
+    return _exchange(first, (rank + 1) % 4, (rank - 1) % 4)
+
+
 def shift_jumping(x):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     return _exchange(x, (rank + 2) % world_size, (rank - 2) % world_size)
@@ -261,6 +289,12 @@ def test_02_exercise_2_ring_shift(clusters):
     expect_failure(check_ring_shift, shift_sending_own_twice, clusters=clusters, words=["one step only"])
     expect_failure(check_ring_shift, shift_the_wrong_way, clusters=clusters, words=["wrong way", "(rank + 1)"])
     expect_failure(check_ring_shift, shift_jumping, clusters=clusters, words=["neighbours only", "1 message"])
+    # right tensor on 4 ranks, wrong direction: caught by the recorded peers (and on 3 ranks by the values)
+    for wrong_way in (shift_two_steps_the_wrong_way, shift_two_steps_the_wrong_way_from_any_source):
+        expect_failure(check_ring_shift, wrong_way, clusters=clusters,
+                       words=["rank 0 sent to rank 3 and received from", "wrong way", "(rank + 1) % world_size"])
+    expect_failure(check_ring_shift, shift_hard_coded_for_4_ranks, clusters=clusters,
+                   words=["then on 3", "dist.get_world_size()"])
     expect_failure(check_ring_shift, shift_returning_own, clusters=clusters, words=["its own tensor"])
     expect_failure(check_ring_shift, shift_returning_unfilled_buffer, clusters=clusters, words=["req.wait()"])
     expect_failure(check_ring_shift, shift_with_all_gather, clusters=clusters,

@@ -63,6 +63,28 @@ def test_busbw_self_check():
     assert math.isclose(bench.solution_busbw(ROW, 4), ROW["busbw_Bps"]), "the solution is bench's busbw"
 
 
+# a measured row as format_table prints it: "4 KiB  20  5329.2 us" (time_s has more digits than the table shows)
+MEASURED = {"bytes": 4096, "iters": 20, "time_s": 5.3291746e-3}
+
+
+def test_busbw_self_check_accepts_the_printed_time_and_explains_near_misses():
+    printed = bench.format_table([{**MEASURED, "algbw_Bps": 0.0, "busbw_Bps": 0.0}])
+    assert "5329.2 us" in printed, printed
+    from_table = 4096 / 5329.2e-6 * 2 * 3 / 4            # the learner's arithmetic on the printed line
+    bench.check_busbw(from_table, MEASURED, world_size=4)  # within the rounding of the printed time: right
+    wrong = {
+        # rounded further than the table: right formula, a number the learner can fix
+        r"0\.55% above the busbw of this row .*rounded": 4096 / 5.3e-3 * 1.5,    # 5.3 ms
+        r"table prints microseconds \(us\)": 4096 / 5329.2 * 1.5,             # time taken in us, not s
+        r"1 KiB = 1024 bytes.*Use row\['bytes'\] \(4096\)": 4000 / MEASURED["time_s"] * 1.5,
+        r"That is algbw .*bus factor for n = 4": 4096 / 5329.2e-6,                # algbw from the printed time
+        r"is 2x the busbw of this row .*Start from algbw": 2 * from_table,
+    }
+    for reason, value in wrong.items():
+        with pytest.raises(AssertionError, match=reason):
+            bench.check_busbw(value, MEASURED, world_size=4)
+
+
 def test_bucket_times_self_check():
     with pytest.raises(AssertionError, match="Set my_times"):
         bench.check_bucket_times({"first": None, "full": None}, ALPHA, BETA)

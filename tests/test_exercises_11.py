@@ -229,6 +229,30 @@ class StaleWork(nn.Module):
                 p.grad.copy_(bucket.view(i))
 
 
+class ResetInForwardOnly(StaleWork):
+    """Lesson 11's MyMicroDDP as stored before issue 42: right on every forward-backward pair, but only forward
+    resets `queued` (and the next bucket, the ready sets), so a second backward through a retained graph queues no
+    finish, launches no bucket, and silently leaves this rank's local gradient added to the first average."""
+
+    def finish(self):
+        if self.next_bucket < len(self.buckets):
+            raise RuntimeError("a parameter got no gradient in this backward: its bucket was never reduced")
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for i, p in enumerate(bucket.params):
+                p.grad.copy_(bucket.view(i))
+            bucket.work = None
+
+
+class ResetInFinishButKeepsNextBucket(ResetInForwardOnly):
+    """Resets `queued` when a backward ends, but not the next bucket: the second backward launches nothing and its
+    finish waits on a bucket.work that is gone (None)."""
+
+    def finish(self):
+        super().finish()
+        self.queued = False
+
+
 def frozen_after_wrapping(module, bucket_cap_mb):
     """Buckets built while every parameter still required grad: the frozen one's bucket never fills."""
     from course_utils.micro_ddp import MicroDDP
@@ -281,6 +305,8 @@ def _micro_ddp_verdict(kind, rebuild=False):
         "fp64-rounding": lambda m, cap: ref.MicroDDP(m, cap, compressor=_Fp64()),
         "solution": lambda m, cap: ref.MicroDDP(m, cap),
         "stale-work": StaleWork,
+        "reset-in-forward-only": ResetInForwardOnly,
+        "reset-in-finish-keeps-next-bucket": ResetInFinishButKeepsNextBucket,
         "no-rebuild": no_rebuild,
     }
     return verdict(check_micro_ddp, makers[kind], rebuild=rebuild)
@@ -297,6 +323,11 @@ def _micro_ddp_verdict(kind, rebuild=False):
     # launched in ready order, not bucket order: right while every rank's backward runs in the same order
     ("per-parameter-async", ["another order on each rank", "strictly in bucket order", "rank 0's a is summed"]),
     ("stale-work", ["a backward in which one layer takes no part", "stale result", "raise an error"]),
+    # a second backward through a retained graph has no forward before it (issue 42)
+    ("reset-in-forward-only", ["a second backward through a retained graph", "LOCAL gradient of the second",
+                               "reset only in forward", "at the end of finish"]),
+    ("reset-in-finish-keeps-next-bucket", ["a second backward through a retained graph", "raised AttributeError",
+                                           "the next bucket to launch", "when it ends"]),
 ])
 def test_check_micro_ddp_explains_wrong_wrappers(cluster, kind, words):
     verdict = cluster.run(_micro_ddp_verdict, kind)[0]

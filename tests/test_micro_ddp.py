@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import register_by_value
+from conftest import ROOT, register_by_value
 
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
@@ -273,7 +273,7 @@ def _powersgd_feedback(rank_r, steps):
     from course_utils.models import make_model
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    comp = PowerSGD(rank=rank_r)
+    comp = PowerSGD(rank=rank_r, warmup_steps=0)   # every step compressed: the feedback is what is tested
     model = MicroDDP(make_model(seed=0, d_hidden=32), compressor=comp)
     w = model.module.net[0].weight
     residuals, prev_error = [], torch.zeros_like(w)
@@ -295,6 +295,24 @@ def _powersgd_feedback(rank_r, steps):
         residuals.append((w.grad - (true + mean_prev / ws - mean_err / ws)).abs().max().item())
         prev_error = error
     return max(residuals), error.abs().max().item(), sorted(comp.errors)
+
+
+def test_powersgd_has_one_default_warm_up_of_2(monkeypatch):
+    """Issue 42: make_compressor("powersgd"), PowerSGD() and the script's --powersgd-warmup agree on 2 plain
+    all-reduces first (torch requires start_powerSGD_iter > 1 with error feedback, lesson 09)."""
+    import importlib.util
+
+    from course_utils.micro_ddp import PowerSGD, make_compressor
+
+    made = make_compressor("powersgd")
+    assert isinstance(made, PowerSGD) and made.warmup_steps == 2, \
+        f'make_compressor("powersgd") must warm up for 2 reductions, as lesson 09 says: {made.warmup_steps}'
+    assert PowerSGD().warmup_steps == 2 and PowerSGD(warmup_steps=0).warmup_steps == 0
+    spec = importlib.util.spec_from_file_location("train_micro_ddp", ROOT / "scripts" / "train_micro_ddp.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["train_micro_ddp.py"])
+    assert script.parse_args().powersgd_warmup == made.warmup_steps, "the script's default differs from the package's"
 
 
 def test_powersgd_error_feedback_loses_nothing(cluster):
@@ -335,9 +353,9 @@ def _powersgd_resume(with_state):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, opt = fresh(0)
-    straight = train(model, opt, 0, 4)
+    straight = train(model, opt, 0, 5)
     model, opt = fresh(0)
-    train(model, opt, 0, 2)
+    train(model, opt, 0, 3)   # 2 warm-up steps (the default), then one compressed: error feedback in the state
     state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
              "compressor": model.compressor.state_dict()}
     model, opt = fresh(1)
@@ -345,7 +363,7 @@ def _powersgd_resume(with_state):
     opt.load_state_dict(state["optimizer"])
     if with_state:
         model.compressor.load_state_dict(state["compressor"])
-    resumed = train(model, opt, 2, 4)
+    resumed = train(model, opt, 3, 5)
     errors = state["compressor"]["errors"]
     return max((a - b).abs().max().item() for a, b in zip(straight, resumed)), len(errors), errors
 
@@ -530,9 +548,9 @@ def _resume_at_4_ranks(compressor, keep_layout):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, opt = fresh(0)
-    straight = train(model, opt, 0, 4)
+    straight = train(model, opt, 0, 5)
     model, opt = fresh(0)
-    train(model, opt, 0, 2)
+    train(model, opt, 0, 3)   # with "powersgd": 2 warm-up steps, then one compressed before the checkpoint
     state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
              "compressor": model.compressor.state_dict(), "bucket_order": model.bucket_order()}
     model, opt = fresh(1)
@@ -541,7 +559,7 @@ def _resume_at_4_ranks(compressor, keep_layout):
     model.compressor.load_state_dict(state["compressor"])
     if keep_layout:
         model.load_bucket_order(state["bucket_order"])
-    resumed = train(model, opt, 2, 4)
+    resumed = train(model, opt, 3, 5)
     return max((a - b).abs().max().item() for a, b in zip(straight, resumed))
 
 

@@ -262,3 +262,30 @@ def test_a_resume_with_other_options_is_refused_and_says_which():
         changed = argparse.Namespace(**{**vars(args), name: value})
         assert shown in (script.resume_mismatch(saved, changed) or ""), (name, script.resume_mismatch(saved, changed))
     assert "records no options" in script.resume_mismatch(None, args)
+
+
+def _alone(args):
+    """The script as one plain process (no torchrun: a world of one), with ``args``; returns the finished process."""
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=ROOT, env=torchrun_env(),
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+
+
+def test_a_resume_of_a_finished_run_prints_its_final_loss_and_a_checkpoint_past_steps_is_refused(tmp_path):
+    """Issue 42: --resume of a run that had already finished trained nothing and printed final_loss=0.0. It now
+    prints the loss the run ended on (recorded in the checkpoint) and says the run had finished."""
+    checkpoint = tmp_path / "done.pt"
+    common = ["--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "4", "--log-every", "1",
+              "--checkpoint", checkpoint]
+    first = _alone(common)
+    assert first.returncode == 0, first.stderr[-2000:]
+    ended_on = re.search(r"final_loss=(\S+)", first.stdout).group(1)
+    assert float(ended_on) > 0, first.stdout
+
+    again = _alone(common + ["--resume"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already finished at step 2" in again.stdout, again.stdout
+    assert re.search(r"final_loss=(\S+)", again.stdout).group(1) == ended_on, \
+        f"a resume of the finished run must print the loss it ended on ({ended_on}):\n{again.stdout}"
+
+    past = _alone([*common[:1], "1", *common[2:], "--resume"])
+    assert past.returncode != 0 and "is at step 2, past --steps 1" in past.stderr, past.stderr[-2000:]

@@ -7,9 +7,10 @@ Call the checks from the notebook process (not inside ``%%ddp``)::
 
 The collective exercises of lesson 02 run the learner's function on 4 gloo ranks (the ``%%ddp``
 cluster when it has 4 gloo ranks, else one the checker starts and keeps), with the functions of
-``torch.distributed`` that it calls recorded. The functions use ``dist.get_rank()`` and
+``torch.distributed`` that it calls recorded; ``check_ring_shift`` also runs it on 3 ranks and records
+the peer of every send and receive. The functions use ``dist.get_rank()`` and
 ``dist.get_world_size()``, since they are defined in the notebook, not on the ranks. ``clusters``
-({4: Cluster}) lets a test pass its own cluster.
+({4: Cluster}, and 3 for the ring shift) lets a test pass its own clusters.
 
 The ``solution_*`` functions are the course's answers: the notebooks use them only while
 ``USE_SOLUTION = True``. Try your own first.
@@ -159,8 +160,67 @@ def _start(rank, n=3, dtype=torch.float32):
     return torch.arange(n, dtype=dtype) + 10 * rank
 
 
+_PEERS = {"to": [], "from": []}   # on a rank: the peers of each send/isend ("to") and recv/irecv ("from")
+_PEER_DEPTH = [0]                   # > 0 inside a recorded call: what it calls underneath is not recorded again
+
+
+def _peer_of(args, kwargs, names):
+    """The global rank that a send/isend (``names`` = ("dst", "group_dst")) or recv/irecv (("src", "group_src"))
+    talks to, given its arguments after the tensor; None for a receive from any source."""
+    import torch.distributed as dist
+
+    peer = args[0] if args else kwargs.get(names[0])
+    if peer is None:
+        group_peer = args[3] if len(args) > 3 else kwargs.get(names[1])
+        group = args[1] if len(args) > 1 else kwargs.get("group")
+        if group_peer is not None:
+            peer = group_peer if group is None else dist.get_global_rank(group, group_peer)
+    return peer
+
+
+def _peer_recorder(original, key, names):
+    def recorder(tensor, *args, **kwargs):
+        import torch.distributed as dist
+
+        if _PEER_DEPTH[0] == 0:
+            peer = _peer_of(args, kwargs, names)
+            _PEERS[key].append(peer)
+            n = dist.get_world_size()
+            if peer is not None and not 0 <= peer < n:   # gloo would wait for it forever
+                raise ValueError(f"rank {dist.get_rank()} {'sends to' if key == 'to' else 'receives from'} rank "
+                                 f"{peer}, and there are {n} ranks, 0 to {n - 1}")
+        _PEER_DEPTH[0] += 1
+        try:
+            return original(tensor, *args, **kwargs)
+        finally:
+            _PEER_DEPTH[0] -= 1
+    recorder.__name__ = getattr(original, "__name__", key)
+    return recorder
+
+
+def _record_peers():
+    """Wrap send/isend/recv/irecv (the same wrapper in dist and c10d, as P2POp and batch_isend_irecv expect) to
+    record their peers; returns what to put back."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    _PEERS["to"].clear()
+    _PEERS["from"].clear()
+    _PEER_DEPTH[0] = 0
+    saved = []
+    for name, key, names in (("send", "to", ("dst", "group_dst")), ("isend", "to", ("dst", "group_dst")),
+                             ("recv", "from", ("src", "group_src")), ("irecv", "from", ("src", "group_src"))):
+        original = getattr(c10d, name)
+        recorder = _peer_recorder(original, key, names)
+        for module in (dist, c10d):
+            if getattr(module, name, None) is original:
+                saved.append((module, name, original))
+                setattr(module, name, recorder)
+    return saved
+
+
 def _on_rank(fn, case):
-    """On every rank: call ``fn`` on this rank's input, record collectives and what came back."""
+    """On every rank: call ``fn`` on this rank's input, record collectives, peers and what came back."""
     import torch.distributed as dist
 
     from course_utils.checks import all_reduce as guard
@@ -174,23 +234,28 @@ def _on_rank(fn, case):
         x = _start(rank)
     given = x.clone()
     guard._install_guard()
+    saved = []
     try:
         guard._reset()
+        saved = _record_peers()
         returned = fn(x)
         messages = guard._SENT["messages"]
         called = list(dict.fromkeys(guard._CALLED))
         inputs = list(guard._INPUTS)
+        peers = {key: list(v) for key, v in _PEERS.items()}
     finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
         guard._remove_guard()
     if isinstance(returned, (list, tuple)):
         returned = [t.clone() if torch.is_tensor(t) else t for t in returned]
     elif torch.is_tensor(returned):
         returned = returned.clone()
     return {"given": given, "x_after": x, "returned": returned, "collectives": called, "messages": messages,
-            "inputs": inputs}
+            "inputs": inputs, "to": peers["to"], "from": peers["from"]}
 
 
-def _run(fn, case, clusters=None, timeout=20):
+def _run(fn, case, clusters=None, timeout=20, world_size=WORLD_SIZE):
     __tracebackhide__ = True
     from course_utils import DistributedError, DistributedTimeout
     from course_utils.checks.all_reduce import _ranks, cluster, stuck_calls
@@ -198,17 +263,19 @@ def _run(fn, case, clusters=None, timeout=20):
     if not callable(fn):
         raise TypeError(f"pass the function itself, got {type(fn).__name__}")
     name = getattr(fn, "__name__", "your function")
+    where = ("" if world_size == WORLD_SIZE else f" (the check runs it on {WORLD_SIZE} ranks, then on {world_size}: "
+             "use dist.get_world_size(), not a number)")
     try:
-        return cluster(WORLD_SIZE, clusters).run(_on_rank, fn, case, timeout=timeout)
+        return cluster(world_size, clusters).run(_on_rank, fn, case, timeout=timeout)
     except DistributedTimeout as exc:
         raise AssertionError(
-            f"{name} did not finish within {timeout} s on {WORLD_SIZE} ranks: {exc.summary.split(' (')[0]}. "
+            f"{name} did not finish within {timeout} s on {world_size} ranks{where}: {exc.summary.split(' (')[0]}. "
             "Ranks are waiting for each other: a receive that no rank sends to, a wait() on a request "
             "whose partner never came, or a collective that not every rank called." + stuck_calls(exc)) from None
     except DistributedError as exc:
         raised = [exc.rank] + [r for r, s in exc.ranks.items() if "raised" in str(s)]
-        raise AssertionError(f"{name} raised {exc.exc_type} on {_ranks(sorted(set(raised)))} of {WORLD_SIZE}: "
-                             f"{exc.exc_message}") from None
+        raise AssertionError(f"{name} raised {exc.exc_type} on {_ranks(sorted(set(raised)))} of {world_size}"
+                             f"{where}: {exc.exc_message}") from None
 
 
 def _collectives_used(outs):
@@ -277,13 +344,46 @@ def check_all_reduce_in_two_halves(fn, *, clusters=None):
                                  "chunk r) and then dist.all_gather (every rank gets every summed chunk).")
 
 
+RING_SIZES = (4, 3)  # on 4 ranks two steps either way land on the same rank; on 3 they do not
+
+
 def check_ring_shift(fn, *, clusters=None):
     """Exercise 2 of 02: ``fn(x)`` returns the tensor of rank (rank - 2) % world_size, moved in two steps between
-    ring neighbours (send right, receive from the left, pass on) with isend/irecv or batch_isend_irecv."""
+    ring neighbours (send right, receive from the left, pass on) with isend/irecv or batch_isend_irecv.
+
+    Runs on 4 ranks, then on 3 (where two steps to the left and two to the right end on different ranks), and
+    records the peer of every send and receive: each rank must send to (rank + 1) % world_size only and receive
+    from (rank - 1) % world_size only. ``clusters`` ({3: Cluster, 4: Cluster}) lets a test pass its own."""
+    __tracebackhide__ = True
+    for world_size in RING_SIZES:
+        _check_ring_shift_on(fn, world_size, clusters)
+
+
+def _ring_peer_problem(r, n, o):
+    """What is wrong with the peers rank ``r`` of ``n`` sent to and received from, or None."""
+    right, left = (r + 1) % n, (r - 1) % n
+    to, frm = o["to"], o["from"]
+    named = [p for p in frm if p is not None]
+    far = sorted({p for p in to + named if p not in (left, right)})
+    if far:
+        return (f"rank {r} sent {len(to)} message(s), to rank(s) {to}, and received from {frm}: rank {far[0]} is "
+                f"not one of its ring neighbours ({left} and {right} of {n}), so it jumped. In a ring each rank "
+                "talks to its neighbours only: two steps, passing on in step 2 what arrived in step 1.")
+    if to and all(p == left for p in to) and all(p == right for p in named) and left != right:
+        source = f"received from rank {right}" if named else "received from any source"
+        return (f"rank {r} sent to rank {left} and {source}: the ring turns the wrong way (on "
+                f"{n} ranks). Send to (rank + 1) % world_size and receive from (rank - 1) % world_size.")
+    if any(p != right for p in to) or any(p != left for p in named):
+        return (f"rank {r} of {n} sent to rank(s) {to} and received from {frm}: in a ring every step goes the same "
+                f"way, each rank sending to (rank + 1) % world_size = {right} and receiving from "
+                f"(rank - 1) % world_size = {left}.")
+    return None
+
+
+def _check_ring_shift_on(fn, n, clusters):
     __tracebackhide__ = True
     name = getattr(fn, "__name__", "your function")
-    outs = _run(fn, "start", clusters)
-    n = len(outs)
+    outs = _run(fn, "start", clusters, world_size=n)
     used = _collectives_used(outs)
     if used:
         raise AssertionError(f"{name} called {', '.join('dist.' + c for c in used)}: a ring shift is point-to-point "
@@ -292,6 +392,12 @@ def check_ring_shift(fn, *, clusters=None):
         got = o["returned"]
         if not torch.is_tensor(got):
             raise AssertionError(f"{name} returned {type(got).__name__} on rank {r}: return the received buffer.")
+    for r, o in enumerate(outs):
+        problem = _ring_peer_problem(r, n, o)
+        if problem:
+            raise AssertionError(f"{name}: {problem}")
+    for r, o in enumerate(outs):
+        got = o["returned"]
         if torch.equal(got, _start((r - 2) % n)):
             if o["messages"] < 2:
                 raise AssertionError(f"{name}: rank {r} holds the right tensor but sent {o['messages']} message(s): "
@@ -311,7 +417,7 @@ def check_ring_shift(fn, *, clusters=None):
                    "the irecv, and return that buffer.")
         else:
             why = f"rank {r} returned {got.tolist()}, not rank {(r - 2) % n}'s tensor."
-        raise AssertionError(f"{name}: {why}")
+        raise AssertionError(f"{name}: {why}" + (f" (on {n} ranks)" if n != WORLD_SIZE else ""))
 
 
 def check_gather_to_rank0(fn, *, clusters=None):

@@ -415,21 +415,73 @@ def _stale_work_problem(make):
             "parameters whose bucket was never launched (as the reference MicroDDP and torch DDP do).")
 
 
+def _retained_graph_problem(make):
+    """``loss.backward(retain_graph=True)`` then ``loss.backward()``, no forward in between: both backwards must
+    sync, leaving twice the average gradient. None when they do.
+
+    Compared with the exact average, not with torch DDP: torch 2.13's DDP leaves the second backward's gradient
+    local (its reducer expects gradient hooks only between a forward and the end of the next backward)."""
+    case = "a second backward through a retained graph (loss.backward(retain_graph=True), then loss.backward())"
+    from course_utils.data import make_regression
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    try:
+        theirs = make(_make("mlp", seed=7 if rank == 0 else 50 + rank), 1e-9)
+    except Exception as exc:  # noqa: BLE001
+        return f"{case}: " + _raised("constructing your wrapper", exc)
+    x, y = (t.to(_device()) for t in make_regression(n=16 * ws, seed=9))
+    xb, yb = x[16 * rank:16 * rank + 16], y[16 * rank:16 * rank + 16]
+    local = _make("mlp", seed=7)
+    torch.nn.functional.mse_loss(local(xb), yb).backward()
+    averages = []
+    for p in local.parameters():
+        avg = p.grad.clone()
+        dist.all_reduce(avg)
+        averages.append(avg / ws)
+    try:
+        loss = torch.nn.functional.mse_loss(theirs(xb), yb)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    except Exception as exc:  # noqa: BLE001
+        return (f"{case}: " + _raised("the second backward", exc) + ". Each backward must start from a clean "
+                "state: reset what one backward uses (queued, the next bucket to launch, the buckets' ready sets "
+                "and works) when it ends, not only in forward.")
+    for (name, p), avg, q in zip(theirs.module.named_parameters(), averages, local.parameters()):
+        if p.grad is None:
+            return f"{case}: {name}.grad is None after both backwards."
+        if torch.allclose(p.grad, 2 * avg, rtol=0, atol=2 * TOL):
+            continue
+        if torch.allclose(p.grad, avg + q.grad, rtol=1e-5, atol=1e-7):
+            return (f"{case}: {name}.grad is the first backward's average plus this rank's LOCAL gradient of the "
+                    "second: the second backward queued no finish and launched no bucket, because what says so "
+                    "(queued, the next bucket, the ready sets) is reset only in forward. Reset it when a backward "
+                    "ends (at the end of finish), so that every backward syncs, with or without a forward before it.")
+        err = (p.grad - 2 * avg).abs().max().item()
+        return (f"{case}: {name}.grad differs from twice the average gradient (each backward adds the average) by "
+                f"{err:.2e}. Every synced backward must all-reduce what it accumulated, with or without a forward "
+                "before it.")
+    return None
+
+
 def check_micro_ddp(make, rebuild=False):
     """``make(module, bucket_cap_mb)`` -> your DDP wrapper. Compared with torch DDP over SGD-with-momentum
     steps: default buckets, one bucket per parameter (where it must also overlap: an all-reduce started
     while backward still computes gradients), 3-step accumulation with no_sync(), a model used in another
     order than registered, a tied weight, and a frozen parameter. ``rebuild=True`` also requires overlap on
-    the model used out of registration order, from its third step: buckets rebuilt in grad-ready order."""
+    the model used out of registration order, from its third step: buckets rebuilt in grad-ready order.
+    Then a synced backward in which a layer takes no part must raise, and a second backward through a retained
+    graph (no forward before it) must sync too."""
     cases = [c[:4] + (c[4] or (rebuild and c[3] == "reordered"),) for c in CASES]
     checks = [lambda c=c: _compare(make, c[0], c[1], c[2], kind=c[3], overlap=c[4]) for c in cases]
-    problem = _first_problem(checks + [lambda: _agree(_stale_work_problem(make))])
+    problem = _first_problem(checks + [lambda: _agree(_stale_work_problem(make)),
+                                       lambda: _agree(_retained_graph_problem(make))])
     _verdict(problem)
     if dist.get_rank() == 0:
         print(f"check_micro_ddp: matches torch DDP within {TOL:g} on {len(CASES)} cases (default buckets; one bucket "
               "per parameter, overlapping backward; no_sync accumulation; layers used out of registration order"
               f"{', overlapping after the rebuild' if rebuild else ''}; a tied weight; a frozen parameter; a backward "
-              "order that differs by rank), and raises when a layer takes no part in a synced backward.")
+              "order that differs by rank), raises when a layer takes no part in a synced backward, and syncs a second "
+              "backward through a retained graph.")
 
 
 # -- exercise: a compressor -----------------------------------------------------------------------

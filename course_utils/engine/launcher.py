@@ -100,6 +100,11 @@ def _under_nbval():
     return "PYTEST_CURRENT_TEST" in os.environ
 
 
+# Makes the status display of a ``run()`` called without one (a checker's call, launch(fn)): set by the %%ddp
+# magic's module when the notebook extension loads (``magic.CallView``), None in a plain Python process.
+CALL_VIEW = None
+
+
 class _Rank:
     """The notebook's end of one worker: its process, its command and result pipes, and the pipes
     that carry its stdout and stderr (fd level, so C and C++ output arrives too)."""
@@ -477,10 +482,15 @@ class Cluster:
         if isinstance(code_or_fn, str):
             if args or kwargs:
                 raise ValueError("arguments are only for functions: for code, push() the values first")
-            return self.run_cell(code_or_fn, timeout=timeout)
+            return self.run_cell(code_or_fn, timeout=timeout, live=self._call_view())
         if not callable(code_or_fn):
             raise ValueError(f"run() takes a string of code or a function, got {type(code_or_fn).__name__}")
-        return self._request(self._call_message(code_or_fn, args, kwargs), timeout)
+        return self._request(self._call_message(code_or_fn, args, kwargs), timeout, live=self._call_view())
+
+    def _call_view(self):
+        """A status line for a ``run()`` from the notebook (a checker's call): shown once the call has taken a
+        second, blanked when it ends; none under nbval or outside a notebook kernel."""
+        return None if CALL_VIEW is None or _under_nbval() else CALL_VIEW(self.world_size)
 
     def run_cell(self, source, filename="<ddp>", timeout=None, live=None, only_rank=None):
         """Run a cell's source on every rank (what ``%%ddp`` does); return the rank-ordered values.

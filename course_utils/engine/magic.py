@@ -110,6 +110,36 @@ class LiveView:
             self.handle = None
 
 
+class CallView(LiveView):
+    """LiveView for a ``Cluster.run`` that a notebook cell makes without ``%%ddp`` (a checker's call): shown only
+    once the call has run for ``DELAY_S``, and closed by blanking its own line, not with clear_output(), which
+    would also wipe what the cell printed before the call."""
+
+    DELAY_S = 1.0
+
+    def __new__(cls, world_size):
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return None
+        shell = get_ipython()
+        if shell is None or not hasattr(shell, "kernel"):  # a terminal IPython or a plain script: no display
+            return None
+        return super().__new__(cls)
+
+    def update(self, ranks, elapsed):
+        if elapsed >= self.DELAY_S:
+            super().update(ranks, elapsed)
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
+            self.handle = None
+
+
+launcher.CALL_VIEW = CallView
+
+
 def _this_cell_name():
     """'Cell In[N]' for the cell running now, as IPython names it in its own tracebacks."""
     names = launcher.cell_names()
