@@ -80,6 +80,8 @@ for _var, _sub in (("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"), (
                    ("XDG_STATE_HOME", "state")):
     os.environ[_var] = os.path.join(TEST_XDG, _sub)
 os.environ["PIP_CACHE_DIR"] = os.path.join(TEST_XDG, "cache", "pip")
+# JupyterLab (the browser test's server) runs `npm prefix --global`, which logs into ~/.npm/_logs
+os.environ["npm_config_cache"] = os.path.join(TEST_XDG, "cache", "npm")
 
 
 
