@@ -69,8 +69,10 @@ def _failures(output):
 class Job:
     """What one torchrun of the planted-bug job left behind. ``lines``: what the ranks printed (cleaned, grouped
     by rank); ``failures``: torchrun's summary, ``[(rank, exitcode), ...]``, the root cause first; ``out``: the
-    folder with the Flight Recorder dumps ``fr_<rank>``; ``stacks``: ``{rank: [frames]}`` from py-spy, taken
-    while the job hung (``spy=True``), or ``None``; ``spy_note``: why there are none."""
+    folder the job wrote its Flight Recorder dumps to when the caller gave one (``None`` when ``run_job`` made a
+    temporary folder, removed when the job ended); ``flight_recorder``: the dumps, ``{rank: bytes}``; ``stacks``:
+    ``{rank: [frames]}`` from py-spy, taken while the job hung (``spy=True``), or ``None``; ``spy_note``: why there
+    are none."""
     bug: str
     returncode: int
     lines: list
@@ -78,33 +80,45 @@ class Job:
     out: Path
     seconds: float
     output: str = ""
+    flight_recorder: dict = field(default_factory=dict)
     stacks: dict = None
     spy_note: str = ""
     debug: str = "OFF"
     extra: dict = field(default_factory=dict)
 
     def dumps(self):
-        """The Flight Recorder dumps the ranks wrote, ``{rank: path}``."""
-        return {int(p.name[3:]): p for p in sorted(self.out.glob("fr_[0-9]*"))}
+        """The Flight Recorder dumps the ranks wrote, ``{rank: the pickle's bytes}`` (``read_dump`` opens one;
+        ``analyze``, ``dump_table`` and ``odd_one_out`` take the ``Job`` itself)."""
+        return dict(sorted(self.flight_recorder.items()))
 
     def last_words(self, rank):
         """The last line rank ``rank`` printed (its error, if it caught one)."""
         mine = [line for line in self.lines if line.startswith(f"rank {rank}:")]
         return mine[-1] if mine else None
 
+    def died(self):
+        """The ranks that a signal killed, ``[(rank, "SIGKILL"), ...]``, in the order of torchrun's summary:
+        a rank's own death (SIGKILL, a C++ abort's SIGABRT, ...), not torchrun's SIGTERM, which stops the others
+        once one has failed (the planted job answers it with exit code 143 after reporting). Which failure
+        torchrun observed first depends on the machine's timing; which ranks were killed does not."""
+        return [(rank, _SIGNALS.get(code, f"signal {-code}")) for rank, code in self.failures
+                if code < 0 and code != -signal.SIGTERM]
+
     def exit_summary(self):
-        """torchrun's verdict in one line: who failed first, with which exit code."""
+        """torchrun's verdict in one line: which rank a signal killed, or that the ranks failed on their own."""
         if self.returncode == 0:
             return "torchrun: every rank finished (exit code 0)"
         if not self.failures:
             return f"torchrun: exit code {self.returncode}, no failure summary"
-        rank, code = self.failures[0]
-        if code > 0:  # an error of the rank's own (a timed-out collective): the others fail alike, or torchrun
-            # stops them first (SIGTERM); which of the two depends on the machine's timing, so neither is named
-            return (f"torchrun: exit code {code}, the ranks' own errors (the 'root cause' it names is whichever "
-                    "exited first)")
-        how = f"signal {_SIGNALS.get(code, -code)}" if code < 0 else f"exit code {code}"
-        return f"torchrun: root cause rank {rank}, {how}; it then stopped the other ranks"
+        if self.died():
+            # not "the root cause": torchrun names the failure it observed first, and a rank that lost its peer
+            # may fail in the same instant as the one that died
+            rank, how = self.died()[0]
+            return f"torchrun: rank {rank} died of {how}; torchrun then stopped the other ranks"
+        # errors of the ranks' own (a timed-out collective): the others fail alike, or torchrun stops them first
+        # (SIGTERM); which of the two depends on the machine's timing, so neither is named
+        return (f"torchrun: exit code {self.failures[0][1]}, the ranks' own errors (the 'root cause' it names is "
+                "whichever exited first)")
 
     def detail_summary(self):
         """What TORCH_DISTRIBUTED_DEBUG=DETAIL made each rank say: the collective it was calling itself (the first
@@ -174,11 +188,11 @@ def run_jobs(*specs):
         return list(pool.map(lambda spec: run_job(**spec), specs))
 
 
-def odd_one_out(folder):
+def odd_one_out(dumps):
     """``(rank, collective)``: the first collective number at which one rank's record differs from what the
-    majority of the ranks recorded, and the rank in the minority. ``None`` if the records agree."""
-    dumps = {int(p.name[3:]): {e["seq"]: e["op"] for e in dump_entries(p)}
-             for p in sorted(Path(folder).glob("fr_[0-9]*"))}
+    majority of the ranks recorded, and the rank in the minority. ``None`` if the records agree. ``dumps``: a
+    ``Job``, or a folder of dumps ``fr_<rank>``."""
+    dumps = {rank: {e["seq"]: e["op"] for e in dump_entries(d)} for rank, d in _dumps_of(dumps).items()}
     for seq in sorted({s for ops in dumps.values() for s in ops}):
         ops = {r: ops.get(seq) for r, ops in dumps.items()}
         counts = {op: sum(1 for o in ops.values() if o == op) for op in set(ops.values())}
@@ -193,8 +207,10 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
     """Run ``torchrun --nproc-per-node nproc -m course_utils.planted_bugs --bug bug`` on loopback and return a
     ``Job``. ``debug``: ``TORCH_DISTRIBUTED_DEBUG`` (OFF, INFO, DETAIL); ``flight_recorder``: set
     ``TORCH_FR_BUFFER_SIZE=2000``; ``timeout``: the process group's, in seconds; ``spy``: when every rank has
-    gone quiet for a second, take each rank's Python stack with py-spy; ``limit``: seconds before the whole job
-    is killed (it never should be).
+    gone quiet for a second, take each rank's Python stack with py-spy, then stop the job (as a person who has
+    seen where it hangs would) instead of waiting for its timeout: give it a timeout longer than that takes;
+    ``limit``: seconds before the whole job is killed (it never should be). ``out``: the folder for the Flight
+    Recorder dumps; by default a temporary one, removed when the job ends (the ``Job`` keeps the dumps).
 
     Introduced in 16_debugging_and_profiling.
     """
@@ -204,8 +220,23 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
         raise ValueError(f"bug must be one of {BUGS}, not {bug!r}")
     if debug not in ("OFF", "INFO", "DETAIL"):
         raise ValueError(f"debug must be 'OFF', 'INFO' or 'DETAIL' (TORCH_DISTRIBUTED_DEBUG), not {debug!r}")
-    out = Path(tempfile.mkdtemp(prefix=f"fr_{bug}_") if out is None else out)
+    temporary = out is None
+    out = Path(tempfile.mkdtemp(prefix=f"fr_{bug}_") if temporary else out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        job = _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit)
+    except BaseException:
+        if temporary:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    job.flight_recorder = _dumps_of(out)
+    if temporary:
+        shutil.rmtree(out, ignore_errors=True)
+        job.out = None
+    return job
+
+
+def _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit):
     for old in out.glob("*"):
         if old.is_file():
             old.unlink()
@@ -229,18 +260,18 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
         try:
             if spy:
                 stacks, note = _spy_when_stuck(proc, lines, out, nproc, limit)
+                if proc.poll() is None:
+                    _kill_job(proc, out)                                  # seen where it hangs: stop the job
             proc.wait(timeout=max(1.0, limit - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_job(proc, out)
             reader.join(5)
             raise RuntimeError(f"the {bug!r} job did not end within {limit} s (it should end in seconds: its "
                                f"process group times out after {timeout} s). Its output:\n"
                                + "".join(x for _, x in lines)[-3000:])
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill_job(proc, out)
         reader.join(10)
         output = "".join(x for _, x in lines)
         if "EADDRINUSE" in output or "address already in use" in output.lower():
@@ -249,6 +280,22 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
                    out=out, seconds=time.monotonic() - start, output=output, stacks=stacks, spy_note=note,
                    debug=debug)
     raise RuntimeError("four free loopback ports were taken before torchrun could use them: run the cell again")
+
+
+def _kill_job(proc, out):
+    """SIGKILL torchrun and its ranks, and wait for torchrun. torchrun starts each rank in a session of its own, so
+    killing torchrun's process group leaves them running (until their own timeout): each is killed by the pid it
+    wrote to ``out/pid_<rank>``."""
+    for path in out.glob("pid_*"):
+        try:
+            os.kill(int(path.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass                                                  # gone already, or its file half-written
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 # -- py-spy -------------------------------------------------------------------------------------------------------
@@ -328,10 +375,21 @@ def _spy_when_stuck(proc, lines, out, nproc, limit):
 
 # -- Flight Recorder ---------------------------------------------------------------------------------------------
 
-def read_dump(path):
-    """One rank's Flight Recorder dump (a pickle written by its own rank: open only dumps your job wrote)."""
-    with open(path, "rb") as f:
+def read_dump(dump):
+    """One rank's Flight Recorder dump, from its file or its bytes (a pickle written by its own rank: open only dumps
+    your job wrote)."""
+    if isinstance(dump, (bytes, bytearray)):
+        return pickle.loads(dump)
+    with open(dump, "rb") as f:
         return pickle.load(f)
+
+
+def _dumps_of(source):
+    """``{rank: bytes}``: the dumps of a ``Job``, or of a folder's ``fr_<rank>`` files."""
+    if isinstance(source, Job):
+        return source.dumps()
+    files = sorted(Path(source).glob("fr_[0-9]*"), key=lambda p: int(p.name[3:]))
+    return {int(p.name[3:]): p.read_bytes() for p in files}
 
 
 def fix_gloo_dumps(folder):
@@ -351,18 +409,75 @@ def fix_gloo_dumps(folder):
     return changed
 
 
-def analyze(folder, *args):
-    """``python -m torch.distributed.flight_recorder.fr_trace folder --allow-incomplete-ranks *args``: torch's
-    analyzer, its output with the folder and torch's install path shortened."""
-    folder = Path(folder)
+_ANALYZED = {}
+
+
+def analyze(dumps, *args):
+    """``python -m torch.distributed.flight_recorder.fr_trace <folder> --allow-incomplete-ranks *args``: torch's
+    analyzer, its output with the folder and torch's install path shortened. ``dumps``: a ``Job`` (its dumps go to
+    a temporary folder for the analyzer, removed after) or a folder of dumps ``fr_<rank>`` (fixed in place by
+    ``fix_gloo_dumps`` first). The same dumps are analyzed once: a second call returns the first one's text."""
+    import hashlib
+
+    if isinstance(dumps, Job):
+        with tempfile.TemporaryDirectory(prefix="fr_") as folder:
+            for rank, data in dumps.dumps().items():
+                Path(folder, f"fr_{rank}").write_bytes(data)
+            return analyze(folder, *args)
+    folder = Path(dumps)
     fix_gloo_dumps(folder)
+    key = (args, tuple((rank, hashlib.sha256(data).hexdigest()) for rank, data in _dumps_of(folder).items()))
+    if key not in _ANALYZED:
+        _ANALYZED[key] = _analyze(folder, args)
+    return _ANALYZED[key]
+
+
+def _analyze(folder, args):
+    """fr_trace's ``main`` in this process (a Python of its own would import torch again: seconds), its stdout then
+    its stderr, as ``python -m torch.distributed.flight_recorder.fr_trace`` prints them."""
+    import contextlib
+    import gc
+    import io
+    import logging
+    import traceback
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):            # what its modules say at import ("tabulate is not installed")
+        from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
+        from torch.distributed.flight_recorder.fr_trace import main
+
+    logger = FlightRecorderLogger().logger           # fr_trace's logger: a handler bound to stderr at its import
+    handlers = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+    saved = [h.stream for h in handlers], logger.level, logger.propagate, gc.isenabled(), os.walk
+    walk = os.walk
     # fr_trace matches the ranks' records starting from the first dump os.walk lists; sorted, that is rank 0's
     # on every file system, so its "culprit" is named against rank 0
-    run = ("import os, sys; walk = os.walk; os.walk = lambda *a, **k: ((r, d, sorted(f)) for r, d, f in walk(*a, **k))"
-           "; from torch.distributed.flight_recorder.fr_trace import main; main(sys.argv[1:])")
-    cmd = [sys.executable, "-c", run, str(folder), "-p", "fr_", "--allow-incomplete-ranks", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    text = (result.stdout + result.stderr).replace(str(folder), "<dumps>")
+    os.walk = lambda *a, **k: ((r, d, sorted(f)) for r, d, f in walk(*a, **k))
+    for h in handlers:
+        h.setStream(err)
+    logger.propagate = False                         # what it says goes to err only, not to pytest's or IPython's
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main([str(folder), "-p", "fr_", "--allow-incomplete-ranks", *args])
+    except SystemExit:
+        pass
+    except Exception:                                # as the analyzer's own Python would print it
+        err.write(traceback.format_exc())
+    finally:
+        streams, level, propagate, gc_was_on, os.walk = saved
+        for h, stream in zip(handlers, streams):
+            h.setStream(stream)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        if gc_was_on:
+            gc.enable()                              # fr_trace's loader switches the collector off for good
+    return _tidy(out.getvalue() + err.getvalue(), folder)
+
+
+def _tidy(text, folder):
+    """fr_trace's output with the folder and torch's install path shortened, without what differs between two
+    runs of the same analysis."""
+    text = text.replace(str(folder), "<dumps>")
     lines = []
     for line in text.splitlines():
         if line.startswith("tabulate is not installed") or "<frozen " in line:
@@ -375,11 +490,11 @@ def analyze(folder, *args):
     return "\n".join(lines).strip()
 
 
-def dump_entries(path):
-    """The collectives of one dump as dicts: ``seq`` (the group's collective number), ``op`` (e.g.
-    ``all_reduce``), ``sizes``, ``dtypes``, ``state`` and ``line`` (the job's line that called it)."""
+def dump_entries(dump):
+    """The collectives of one dump (its file or its bytes) as dicts: ``seq`` (the group's collective number),
+    ``op`` (e.g. ``all_reduce``), ``sizes``, ``dtypes``, ``state`` and ``line`` (the job's line that called it)."""
     rows = []
-    for e in read_dump(path)["entries"]:
+    for e in read_dump(dump)["entries"]:
         frames = [f for f in e.get("frames", []) if f.get("filename", "").endswith("planted_bugs.py")]
         rows.append({"seq": e["collective_seq_id"], "op": e["profiling_name"].split(":")[-1],
                      "sizes": e["input_sizes"], "dtypes": e["input_dtypes"], "state": e["state"],
@@ -387,10 +502,10 @@ def dump_entries(path):
     return rows
 
 
-def dump_table(folder, last=None):
+def dump_table(dumps, last=None):
     """Every rank's recorded collectives, one column per rank, one row per collective number: what a learner
-    reads to find the rank that left the others."""
-    dumps = {int(p.name[3:]): dump_entries(p) for p in sorted(Path(folder).glob("fr_[0-9]*"))}
+    reads to find the rank that left the others. ``dumps``: a ``Job``, or a folder of dumps ``fr_<rank>``."""
+    dumps = {rank: dump_entries(d) for rank, d in _dumps_of(dumps).items()}
     seqs = sorted({e["seq"] for rows in dumps.values() for e in rows})
     if last:
         seqs = seqs[-last:]

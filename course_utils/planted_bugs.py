@@ -28,6 +28,7 @@ import datetime
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -36,6 +37,7 @@ import torch.distributed as dist
 BUGS = ("none", "skip", "order", "shape", "dead", "mystery")
 STEPS = 4
 BUG_STEP = 2
+LR = 0.1
 
 
 def _mystery(step, rank, world_size, grads, loss, stop):
@@ -58,7 +60,7 @@ def train(bug):
     x, y = torch.randn(64, 8), torch.randn(64, 1)
     mine = slice(rank * 64 // world_size, (rank + 1) * 64 // world_size)
     model = torch.nn.Linear(8, 1, bias=not (bug == "shape" and rank == 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     stop = torch.zeros(1)
     for step in range(STEPS):
         loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
@@ -102,15 +104,33 @@ def dump_flight_recorder(out, rank):
 def linger(out, rank, seconds):
     """Stay until every rank has failed too (or ``seconds`` passed): a rank that exits first closes its
     connections, and a slower peer would report "Connection closed by peer" instead of its own timeout. A demo's
-    courtesy, so that each rank reports what it saw itself; a real job just exits."""
+    courtesy, so that each rank reports what it saw itself; a real job just exits. A rank that torchrun is
+    stopping (see ``on_sigterm``) does not linger."""
     if out is None:
         return
     open(os.path.join(out, f"failed_{rank}"), "w").close()
     world_size, deadline = dist.get_world_size(), time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not _STOPPING.is_set():
         if sum(os.path.exists(os.path.join(out, f"failed_{r}")) for r in range(world_size)) == world_size:
             return
         time.sleep(0.05)
+
+
+_STOPPING = threading.Event()
+
+
+def on_sigterm(out, rank, grace):
+    """torchrun stops the other ranks (SIGTERM) as soon as one has failed. The same courtesy as ``linger``: the
+    rank first finishes what it was doing, which fails within seconds (its peer is gone, or its collective times
+    out), so that it reports, dumps and exits by itself; if it has not within ``grace`` seconds, it dumps and
+    exits anyway. Without it, whether a rank said what it saw or was stopped first would be a race between
+    torchrun's monitor and the rank's own error (a real job just exits)."""
+    if _STOPPING.is_set():
+        return
+    _STOPPING.set()
+    timer = threading.Timer(grace, lambda: (dump_flight_recorder(out, rank), os._exit(143)))
+    timer.daemon = True
+    timer.start()
 
 
 def main(argv=None):
@@ -129,8 +149,8 @@ def main(argv=None):
     if args.out is not None:                                      # who is who, for py-spy
         with open(os.path.join(args.out, f"pid_{rank}"), "w") as f:
             f.write(str(os.getpid()))
-    # torchrun stops the other ranks with SIGTERM when one fails: dump on the way out too
-    signal.signal(signal.SIGTERM, lambda *_: (dump_flight_recorder(args.out, rank), os._exit(143)))
+    # torchrun stops the other ranks with SIGTERM when one fails: report what this rank saw first, then leave
+    signal.signal(signal.SIGTERM, lambda *_: on_sigterm(args.out, rank, args.timeout + 2.0))
     try:
         train(args.bug)
     except Exception as exc:     # a failed collective: say it in one line, dump, and fail
@@ -138,7 +158,7 @@ def main(argv=None):
         say(f"rank {rank}: {type(exc).__name__}: {message}")
         dump_flight_recorder(args.out, rank)
         linger(args.out, rank, 2 * args.timeout)
-        os._exit(1)              # not destroy_process_group: the peers are gone or stuck
+        os._exit(143 if _STOPPING.is_set() else 1)   # not destroy_process_group: the peers are gone or stuck
     dump_flight_recorder(args.out, rank)
     dist.destroy_process_group()
     return 0

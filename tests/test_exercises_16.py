@@ -37,13 +37,13 @@ def mystery():
 
 def test_the_checkers_answer_is_what_the_mystery_jobs_dumps_say(mystery):
     assert sorted(mystery.dumps()) == [0, 1, 2, 3], mystery.output[-3000:]
-    culprit, called = odd_one_out(mystery.out)
+    culprit, called = odd_one_out(mystery)
     assert verdict(checks.check_flight_recorder_answer, culprit, called) is None
     last = {r: dump_entries(p)[-1] for r, p in mystery.dumps().items()}
     assert [last[r]["op"] for r in range(4)].count("all_reduce") == 3, last
     assert len({last[r]["seq"] for r in range(4)}) == 1, f"the four ranks stopped at different numbers: {last}"
     assert checks._MYSTERY_SEQ == last[0]["seq"], "the checker's hints quote the collective number"
-    report = analyze(mystery.out)
+    report = analyze(mystery)
     assert "COLLECTIVE_TYPE_MISMATCH" in report and f"Culprit rank {culprit}" in report, report
 
 
