@@ -57,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["MicroFSDP", "FlatParam", "Checkpointed", "checkpoint_blocks", "original_name", "plot_fsdp_timeline",
-           "pad_and_shard", "race_fully_shard"]
+           "pad_and_shard", "race_fully_shard", "describe_prefetch"]
 
 
 def pad_and_shard(tensors, rank, world_size):
@@ -508,12 +508,14 @@ class MicroFSDP(nn.Module):
 def race_fully_shard(n_layer=4, n_embd=128, micro_batch_size=8, steps=20):
     """MicroFSDP and FSDP2's ``fully_shard`` on the same tiny GPT, in this run, on every rank of the default group:
     ``(n_params, {impl: {"bytes": {phase: ring bytes}, "peak": peak_memory(...), "seconds": median step,
-    "phase_seconds": {phase: median}, "optimizer_tensors": tensors AdamW steps}}, losses)``, for impl in FSDP2,
+    "phase_seconds": {phase: median}, "step_seconds": [{phase: seconds} of each timed step, in order],
+    "optimizer_tensors": tensors AdamW steps}}, losses)``, for impl in FSDP2,
     MicroFSDP and "MicroFSDP, no prefetch" (``prefetch=False``).
 
     Used by 13_fsdp_by_hand and benchmarks/fsdp_vs_fully_shard.py. CPU tensors (FSDP2's mesh on "cpu"): call it
     on gloo ranks. Steps are interleaved so that a noisy machine slows both alike; a step lasts as long as its
-    slowest rank's."""
+    slowest rank's (per phase: its median, and each step's in ``step_seconds``: step i of
+    every impl ran in the same round, so their differences step by step show the noise)."""
     import statistics
     import time
     import warnings
@@ -581,12 +583,46 @@ def race_fully_shard(n_layer=4, n_embd=128, micro_batch_size=8, steps=20):
     local = torch.tensor([[statistics.median(c[i] for c in clocks[k]) for i in range(3)] for k in runs],
                          dtype=torch.float64)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    for kind, row in zip(runs, local.tolist()):
+    # every step's phases, the slowest rank's: the spread from step to step is the noise the medians hide
+    each = torch.tensor([clocks[k] for k in runs], dtype=torch.float64)
+    dist.all_reduce(each, op=dist.ReduceOp.MAX)
+    for kind, row, steps_of_kind in zip(runs, local.tolist(), each.tolist()):
         out[kind]["phase_seconds"] = dict(zip(("forward", "backward", "step"), row))
         out[kind]["seconds"] = sum(row)
+        out[kind]["step_seconds"] = [dict(zip(("forward", "backward", "step"), s)) for s in steps_of_kind]
         out[kind]["optimizer_tensors"] = sum(len(g["params"]) for g in runs[kind][1].param_groups)
     n_params = sum(p.numel() for p in make_gpt(tok.vocab_size, seed=0, n_layer=n_layer, n_embd=n_embd).parameters())
     return n_params, out, losses
+
+
+def describe_prefetch(no_prefetch, prefetch):
+    """What prefetch did to forward + backward in a ``race_fully_shard`` run, as a sentence chosen from its numbers.
+
+    Introduced in 13_fsdp_by_hand. ``no_prefetch``, ``prefetch``: the ``step_seconds`` of "MicroFSDP, no prefetch"
+    and "MicroFSDP" (step i of both ran in the same round, one after the other, so a busy moment slows both).
+    Prefetch is said to save (or cost) time only when it was faster (or slower) in every round, by 5 % or more of
+    forward + backward; otherwise the sentence gives the spread the difference is lost in."""
+    import statistics
+
+    def fb(s):
+        return 1e3 * (s["forward"] + s["backward"])
+
+    gains = [fb(a) - fb(b) for a, b in zip(no_prefetch, prefetch)]          # ms saved by prefetch, round by round
+    n, faster = len(gains), sum(g > 0 for g in gains)
+    gain = statistics.median(gains)
+    share = gain / statistics.median(fb(a) for a in no_prefetch)
+    spread = max(max(fb(s) for s in steps) - min(fb(s) for s in steps) for steps in (no_prefetch, prefetch))
+    why = ("on gloo a gather is a copy through memory that competes with the compute for the same cores, so "
+           "little of it can hide")
+    if faster == n and share >= 0.05:
+        return (f"prefetch saved {gain:.1f} ms of forward + backward ({share:.0%}, median), and was faster in each "
+                f"of the {n} rounds: gathers hidden behind compute.")
+    if faster == 0 and -share >= 0.05:
+        return (f"prefetch cost {-gain:.1f} ms of forward + backward ({-share:.0%}, median), and was slower in each "
+                f"of the {n} rounds: {why}, and starting it early only adds work beside the compute.")
+    return (f"prefetch was faster in {faster} of {n} rounds (median {-gain:+.1f} ms of forward + backward, "
+            f"{-share:+.0%}; the same configuration's steps varied by up to {spread:.1f} ms): no difference this run "
+            f"can tell from its noise. {why[0].upper() + why[1:]}.")
 
 
 # -- activation checkpointing ------------------------------------------------------------------------------

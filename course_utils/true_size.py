@@ -28,9 +28,12 @@ GB = 1e9
 GiB = 2 ** 30
 
 FOREACH_NOTE = (
-    "Under FakeTensorMode, the step in which AdamW creates its state on FSDP2's DTensor parameters is overcounted\n"
-    "(9 parameter shards where real tensors hold 3 with foreach=True, at 232M parameters); later steps agree with\n"
-    "real tensors. measure_step therefore runs one step before its tracker starts (warmup=True)."
+    "Under FakeTensorMode, a step whose ops on FSDP2's DTensor parameters are new to DTensor's sharding-propagation\n"
+    "caches (the first, in which AdamW creates its state) is overcounted: DTensor works out each new op's output\n"
+    "shape on fake tensors of the global shape under the run's own FakeTensorMode, and FSDPMemTracker counts them\n"
+    "(at 14.5M parameters and W = 2: 9 parameter shards where real tensors hold 3 with foreach=True, 4.0 where\n"
+    "they hold 2.6 with the for-loop). Later steps agree with real tensors. measure_step therefore runs one\n"
+    "optimizer step before its tracker starts (warmup=True)."
 )
 
 
@@ -142,6 +145,23 @@ def _kinds(snapshot):
     return out
 
 
+def _fsdp_step_peak_tracker(model, optimizer):
+    """torch's ``FSDPMemTracker``, keeping only the global peak (what ``measure_step`` reads), as
+    ``course_utils.memory._step_peak_tracker`` does for ``MemTracker``: after every op FSDPMemTracker also
+    updates a peak per FSDP module that is running, a loop over every module it has seen (a fifth of a 7B
+    step's time). The global peak is computed exactly as torch 2.13's ``_update_peak_stats`` does."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class FSDPStepPeakTracker(FSDPMemTracker):
+        def _update_peak_stats(self, peak_state):
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                    self._peak_mem[dev] = dev_snap["Total"]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
+    return FSDPStepPeakTracker(model, optimizer)
+
+
 def _restart_peak(tracker):
     # What MemTracker.__enter__ does to start its peak from the memory in use now (torch 2.13's own
     # attributes): the next phase's peak then starts from what the previous phase left behind.
@@ -162,13 +182,13 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
     ``fake=False``: real tensors instead (same fake world, so the values are meaningless, the bytes real): the
     check that the fake run measures what a real one would, at a size that fits this machine.
     ``warmup=False``: measure the very first step, the one in which AdamW creates its state (by default one step
-    runs before the tracker starts, as in training every step but the first).
+    runs before the tracker starts, as in training every step but the first: an optimizer step on zero gradients,
+    which leaves the bytes a whole step would; ``warmup="full"`` runs the whole step, forward and backward too).
 
     Returns ``{"forward": kinds, "backward": kinds, "step": kinds, "n_params": ..., "n_trainable": ...,
     "seconds": ...}``; each ``kinds`` is the phase's peak with its breakdown at that moment.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.checkpoint import checkpoint as ckpt
 
@@ -213,14 +233,21 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
                     logits = model(idx)
                 return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
 
-            if warmup:
-                loss = forward()                   # a first step outside the tracker: AdamW makes its state
+            if warmup == "full":
+                loss = forward()                   # a whole first step: what the default below stands for
                 loss.backward()
+                del loss
+            elif warmup:
+                # A first step outside the tracker, in which AdamW makes its state. Its bytes do not depend on
+                # the gradients' values, so the step runs on zero gradients: no forward and backward to pay for
+                # (tests/test_true_size.py checks that a whole first step leaves the same bytes behind).
+                for p in trainable:
+                    p.grad = torch.zeros_like(p)
+            if warmup:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                del loss
             if strategy == "fsdp2":
-                tracker = FSDPMemTracker(model, optimizer)
+                tracker = _fsdp_step_peak_tracker(model, optimizer)
             else:
                 tracker = _step_peak_tracker()         # MemTracker without its per-module peaks: same global peak
                 tracker.track_external(model, optimizer)

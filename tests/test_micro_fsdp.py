@@ -244,3 +244,32 @@ def test_micro_fsdp_over_a_frozen_base_trains_as_ddp_over_lora(cluster):
     assert max(abs(a - b) for a, b in zip(r["ddp"], r["micro_fsdp"])) < 1e-5, r
     assert r["micro_fsdp"][-1] < r["micro_fsdp"][0], f"the loss must fall: {r['micro_fsdp']}"
     assert all(x["left_gathered"] == 0 for x in results), "every unit freed once backward is done"
+
+
+# -- the sentence lesson 13 prints about prefetch (cell after race_fully_shard) ----------------------------------
+
+def _rounds(*fb_ms):
+    return [{"forward": ms / 2e3, "backward": ms / 2e3, "step": 0.005} for ms in fb_ms]
+
+
+@pytest.mark.parametrize("no_prefetch, prefetch, words, not_words", [
+    # the run that once fooled the lesson: medians 211.8 and 232.7 ms, prefetch slower in every round, and the
+    # sentence said "+21.0 ms, within the noise" without having measured any noise
+    (_rounds(211.8, 205.0, 214.0, 209.0), _rounds(232.7, 229.0, 236.0, 231.0), ["cost", "slower in each of the 4"],
+     ["tell from its noise", "saved"]),
+    (_rounds(240.0, 250.0, 245.0, 260.0), _rounds(200.0, 205.0, 210.0, 215.0), ["saved", "faster in each of the 4"],
+     ["tell from its noise", "cost"]),
+    (_rounds(240.0, 250.0, 245.0, 260.0), _rounds(250.0, 230.0, 255.0, 240.0),
+     ["faster in 2 of 4", "tell from its noise", "varied by up to"], ["saved", "cost"]),
+    # faster in every round, but by 1 %: not a saving to claim
+    (_rounds(240.0, 250.0, 245.0, 260.0), _rounds(237.6, 247.5, 242.5, 257.4),
+     ["faster in 4 of 4", "tell from its noise"], ["saved", "cost"]),
+], ids=["always-slower", "always-faster", "mixed", "always-faster-by-little"])
+def test_the_prefetch_sentence_follows_the_rounds(no_prefetch, prefetch, words, not_words):
+    from course_utils.fsdp import describe_prefetch
+
+    got = describe_prefetch(no_prefetch, prefetch)
+    for w in words:
+        assert w in got, f"expected {w!r} in: {got}"
+    for w in not_words:
+        assert w not in got, f"did not expect {w!r} in: {got}"
