@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, children_of
+from conftest import ROOT
+from engine_helpers import ranks_below
 from course_utils import Cluster, DistributedError
 from course_utils.engine import _forkstart, export, magic, reports
 
@@ -323,23 +324,10 @@ def test_the_rank_finder_sees_the_ranks_on_this_start_path():
 
 
 def _ranks_below(pid):
-    """Every live descendant of ``pid`` that leads its own session: on both start paths each rank calls
-    setsid (the fork server's children) or is started with start_new_session (fresh interpreters); the fork
-    server and multiprocessing's resource tracker do not."""
+    """engine_helpers.ranks_below, which reads /proc: skipped where there is none."""
     if not os.path.isdir("/proc/self"):
         pytest.skip("reads /proc")
-    found, todo = set(), [pid]
-    while todo:
-        for child in children_of(todo.pop()):
-            todo.append(child)
-            try:
-                with open(f"/proc/{child}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == child:  # its session id is its own pid
-                found.add(child)
-    return found
+    return ranks_below(pid)
 
 
 # -- the capstone script's abort at exit ----------------------------------------------------------------
