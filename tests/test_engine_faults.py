@@ -468,3 +468,32 @@ def test_a_rank_skips_the_libraries_finalizers_at_its_end_but_runs_the_cells(tmp
     while list(tmp_path.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not list(tmp_path.iterdir()), "a finalizer a cell made did not run at the rank's end"
+
+
+def test_shutdown_all_stops_every_cluster_even_when_one_refuses(monkeypatch):
+    """%ddp shutdown stopped at the first cluster that raised (a busy one) and left the rest running (issue 41)."""
+    from course_utils.engine import launcher
+
+    first, second = Cluster(world_size=1, backend="gloo"), Cluster(world_size=1, backend="gloo")
+    try:
+        refusing = first if list(launcher._LIVE).index(first) == 0 else second
+        other = second if refusing is first else first
+
+        def busy():
+            raise RuntimeError("shutdown(): the cluster is busy")
+
+        monkeypatch.setattr(refusing, "shutdown", busy)
+        with pytest.raises(RuntimeError, match="busy"):
+            launcher.shutdown_all()
+        assert not other.alive, "shutdown_all left a cluster running after another refused"
+    finally:
+        monkeypatch.undo()
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_dead_rank_whose_exit_code_never_came_is_reported_as_unknown():
+    """After a kill the engine waits with a deadline (a wedged fork server never reaps): the code may stay None."""
+    error = reports.dead_error({1: None, 2: 3}, "note")
+    assert "rank 1 died: it ended, its exit code unknown" in str(error), str(error)
+    assert "rank 2: exited with code 3" in str(error), str(error)

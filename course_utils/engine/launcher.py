@@ -329,8 +329,14 @@ _LIVE = weakref.WeakSet()  # every Cluster of this process that has ranks, for s
 def shutdown_all():
     """Stop the ranks of every cluster of this process (%ddp shutdown): the %%ddp ranks, a checker's, a
     Cluster made in a cell. A cluster stopped so starts fresh ranks when it is used again."""
+    errors = []
     for cluster in list(_LIVE):
-        cluster.shutdown()
+        try:  # a busy or broken cluster does not leave the others running
+            cluster.shutdown()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 class Cluster:
@@ -868,7 +874,10 @@ class Cluster:
                     rk.proc.wait(timeout=EXIT_CODE_S)
                 except subprocess.TimeoutExpired:
                     rk.proc.kill()
-                    rk.proc.wait()
+                    try:  # never a wait without a deadline here: SIGINT is deferred, and a wedged fork server
+                        rk.proc.wait(timeout=EXIT_CODE_S)  # (which reaps the ranks) would hang the stop button
+                    except subprocess.TimeoutExpired:
+                        pass  # its exit code stays unknown (None)
             codes = {rk.rank: rk.proc.returncode for rk in dead}
             self._show(only_rank)
             self._replace(start=self._group)

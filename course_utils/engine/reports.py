@@ -195,8 +195,9 @@ def timeout_error(world_size, results, stacks, timeout, note, backend=None):
 
 
 def dead_error(codes, note):
-    """``codes``: rank -> exit code (negative: killed by that signal)."""
-    how = {r: (f"was killed by {signal_name(c)}" if c < 0 else f"exited with code {c}") for r, c in codes.items()}
+    """``codes``: rank -> exit code (negative: killed by that signal; None: never reported)."""
+    how = {r: ("ended, its exit code unknown (its parent never reported it)" if c is None else
+               f"was killed by {signal_name(c)}" if c < 0 else f"exited with code {c}") for r, c in codes.items()}
     first = min(codes)
     lines = [f"  rank {r}: {h}" for r, h in how.items() if r != first]  # the first is in the summary
     if note:
