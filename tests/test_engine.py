@@ -452,16 +452,6 @@ def test_a_cluster_created_in_a_thread_survives_the_thread():
         c.shutdown()
 
 
-def test_the_store_prefix_is_a_secret_of_each_cluster(cluster4, make_cluster):
-    code = ("import os\nfrom course_utils.engine import _worker\n"
-            "(_worker._WORKER.secret, any(_worker._WORKER.secret in v for v in os.environ.values()))")
-    mine = cluster4.run(code)
-    other = make_cluster(2).run(code)
-    assert len({s for s, _ in mine}) == 1 and len(mine[0][0]) == 32, mine
-    assert mine[0][0] != other[0][0], "each cluster has its own prefix"
-    assert not any(in_env for _, in_env in mine + other), "not in the environment, which other users may read"
-
-
 # -- bad input --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, words", [
     ({"world_size": 0}, "world_size must be an integer >= 1"),

@@ -311,7 +311,6 @@ class Worker:
         self.busy = False  # True while a command from the notebook runs
         self.interruptible = False  # True only while the learner's own code runs: SIGINT lands there
         self.manage_group = env.get("COURSE_UTILS_GROUP", "1") == "1"  # False under spawn(): fn sets it up
-        self.secret = ""  # store prefix, sent over the private command pipe (see main)
         self.original = {}  # torch.distributed's own init/destroy, before the learner-facing wrappers
         self.generation = 0
         self.run_id = 0
@@ -338,7 +337,9 @@ class Worker:
                 "127.0.0.1", self.store_port, self.world_size,
                 is_master=self.rank == 0, timeout=datetime.timedelta(seconds=60),
                 wait_for_workers=False, **kw)
-        store = dist.PrefixStore(f"{self.secret}/generation{self.generation}", self.store)
+        # each restart's group under its own prefix. No prefix keeps other local processes out of the store: any can
+        # list its keys (TCPStore.list_keys); loopback keeps other machines out (README, "Safety")
+        store = dist.PrefixStore(f"generation{self.generation}", self.store)
         if self.backend == "nccl":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # == rank on one node
             torch.cuda.set_device(device)
@@ -646,8 +647,6 @@ class Worker:
             if fd >= 0:  # a program the learner starts (exec) does not inherit them; a fork still holds
                 # them, which is why the notebook also polls each rank's exit instead of waiting for EOF
                 os.set_inheritable(fd, False)
-        hello = _wire.recv(self.cmd_fd)  # ("hello", secret): private, unlike the environment
-        self.secret = hello[1]
         threading.Thread(target=self.control_loop, daemon=True).start()
         try:
             if self.manage_group:

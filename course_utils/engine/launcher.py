@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import math
 import os
-import secrets
 import select
 import selectors
 import signal
@@ -198,7 +197,6 @@ def _spawn(world_size, backend, pg_timeout, group=True):
     listener.listen(128)
     port = listener.getsockname()[1]
     threads = max(1, _cpu_count() // world_size)
-    secret = secrets.token_hex(16)  # the store's key prefix: another local process cannot guess it
     ranks = []
     try:
         for r in range(world_size):
@@ -256,7 +254,6 @@ def _spawn(world_size, backend, pg_timeout, group=True):
                 os.set_blocking(fd, False)
             rk = _Rank(r, proc, cmd_w, res_r, out_r, err_r)
             ranks.append(rk)
-            rk.send(("hello", secret))  # over the private pipe, not the environment other users can read
     except BaseException:
         _kill(ranks)
         raise
