@@ -497,3 +497,28 @@ def test_a_dead_rank_whose_exit_code_never_came_is_reported_as_unknown():
     error = reports.dead_error({1: None, 2: 3}, "note")
     assert "rank 1 died: it ended, its exit code unknown" in str(error), str(error)
     assert "rank 2: exited with code 3" in str(error), str(error)
+
+
+def test_a_stop_while_a_rank_starts_acts_once_the_rank_is_recorded():
+    """Each rank's start holds SIGINT (on the spawn path a stop while Popen waited for the exec left a rank nothing
+    killed): inside the block the stop waits; after it, the handler that was there gets it."""
+    from course_utils.engine import launcher
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        recorded = []
+        with pytest.raises(KeyboardInterrupt):
+            with launcher._sigint_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)          # the signal is delivered here, and held
+                recorded.append("rank")   # still reached: the stop acts after the block
+        assert recorded == ["rank"]
+        got = []
+        signal.signal(signal.SIGINT, lambda *_: got.append(1))   # a call's deferring handler sets its flag
+        with launcher._sigint_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert got == []
+        assert got == [1], "the stop must reach the handler that was there before the block"
+    finally:
+        signal.signal(signal.SIGINT, old)

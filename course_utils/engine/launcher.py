@@ -200,60 +200,62 @@ def _spawn(world_size, backend, pg_timeout, group=True):
     ranks = []
     try:
         for r in range(world_size):
-            cmd_r, cmd_w = os.pipe()
-            res_r, res_w = os.pipe()
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            env = dict(os.environ)
-            env.update(
-                RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-                GLOO_SOCKET_IFNAME=_loopback_interface(sys.platform, env),
-                NCCL_SOCKET_IFNAME="lo",
-                COURSE_UTILS_BACKEND=backend, COURSE_UTILS_PG_TIMEOUT=str(pg_timeout),
-                COURSE_UTILS_CMD_FD=str(cmd_r), COURSE_UTILS_RES_FD=str(res_w),
-                COURSE_UTILS_PARENT_PID=str(os.getpid()), COURSE_UTILS_GROUP="1" if group else "0",
-            )
-            env.pop("PYTEST_CURRENT_TEST", None)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH")] if p)
-            env["COURSE_UTILS_CWD"] = os.getcwd()
-            pass_fds = [cmd_r, res_w]
-            if r == 0 and group:
-                env["COURSE_UTILS_LISTEN_FD"] = str(listener.fileno())
-                pass_fds.append(listener.fileno())
-            try:
-                proc = None
-                ctx = _forkstart.context()
-                if ctx is not None:  # forked from the server that has torch imported: a fraction of a second
-                    fds = {"stdout": out_w, "stderr": err_w, "cmd": cmd_r, "res": res_w}
-                    if r == 0 and group:
-                        fds["listen"] = listener.fileno()
-                    try:
-                        proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
-                    except Exception as exc:  # the server is gone or broken: a new one, once; then fresh interpreters
-                        ctx = _forkstart.restart(f"{type(exc).__name__}: {exc}")
-                        if ctx is not None:
-                            try:
-                                proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
-                            except Exception as again:
-                                _forkstart.restart(f"{type(again).__name__}: {again}")
-                if proc is None:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
-                        stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
-            except BaseException:  # not started (or a stop while the server forks it: its pipes end it)
-                for fd in (cmd_w, res_r, out_r, err_r):
-                    os.close(fd)
-                raise
-            finally:
-                for fd in (cmd_r, res_w, out_w, err_w):
-                    os.close(fd)
-            for fd in (res_r, out_r, err_r):
-                os.set_blocking(fd, False)
-            rk = _Rank(r, proc, cmd_w, res_r, out_r, err_r)
-            ranks.append(rk)
+            with _sigint_held():  # a stop while a rank starts (Popen waits for its exec) is raised once it is in ranks
+                cmd_r, cmd_w = os.pipe()
+                res_r, res_w = os.pipe()
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                env = dict(os.environ)
+                env.update(
+                    RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                    LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+                    GLOO_SOCKET_IFNAME=_loopback_interface(sys.platform, env),
+                    NCCL_SOCKET_IFNAME="lo",
+                    COURSE_UTILS_BACKEND=backend, COURSE_UTILS_PG_TIMEOUT=str(pg_timeout),
+                    COURSE_UTILS_CMD_FD=str(cmd_r), COURSE_UTILS_RES_FD=str(res_w),
+                    COURSE_UTILS_PARENT_PID=str(os.getpid()), COURSE_UTILS_GROUP="1" if group else "0",
+                )
+                env.pop("PYTEST_CURRENT_TEST", None)
+                env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH")] if p)
+                env["COURSE_UTILS_CWD"] = os.getcwd()
+                pass_fds = [cmd_r, res_w]
+                if r == 0 and group:
+                    env["COURSE_UTILS_LISTEN_FD"] = str(listener.fileno())
+                    pass_fds.append(listener.fileno())
+                try:
+                    proc = None
+                    ctx = _forkstart.context()
+                    if ctx is not None:  # forked from the server that has torch imported: a fraction of a second
+                        fds = {"stdout": out_w, "stderr": err_w, "cmd": cmd_r, "res": res_w}
+                        if r == 0 and group:
+                            fds["listen"] = listener.fileno()
+                        try:
+                            proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
+                        except Exception as exc:  # the server is gone or broken: a new one, once; then fresh
+                            # interpreters
+                            ctx = _forkstart.restart(f"{type(exc).__name__}: {exc}")
+                            if ctx is not None:
+                                try:
+                                    proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
+                                except Exception as again:
+                                    _forkstart.restart(f"{type(again).__name__}: {again}")
+                    if proc is None:
+                        proc = subprocess.Popen(
+                            [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
+                            stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
+                except BaseException:  # not started (or a stop while the server forks it: its pipes end it)
+                    for fd in (cmd_w, res_r, out_r, err_r):
+                        os.close(fd)
+                    raise
+                finally:
+                    for fd in (cmd_r, res_w, out_w, err_w):
+                        os.close(fd)
+                for fd in (res_r, out_r, err_r):
+                    os.set_blocking(fd, False)
+                rk = _Rank(r, proc, cmd_w, res_r, out_r, err_r)
+                ranks.append(rk)
     except BaseException:
         _kill(ranks)
         raise
@@ -321,6 +323,27 @@ def _shutdown(ranks):
 
 _SERIALS = itertools.count(1)
 _LIVE = weakref.WeakSet()  # every Cluster of this process that has ranks, for shutdown_all()
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """A stop (SIGINT) during the block is held until the block ends, then handed to the handler it would have
+    reached (the default one raises KeyboardInterrupt): a rank whose process exists is always recorded (and so
+    killed by the caller's cleanup) before the stop acts. On the spawn path a stop that landed while
+    subprocess.Popen waited for the child's exec left a rank that nothing would kill (issue 41). Only on the
+    main thread, where Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopped = []
+    old = _signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+    old = old if old is not None else signal.default_int_handler
+    try:
+        yield
+    finally:
+        _signal.signal(signal.SIGINT, old)
+    if stopped and callable(old):  # delivered now to whoever was there: the default raises KeyboardInterrupt, a
+        old(signal.SIGINT, None)   # call's deferring handler sets its flag
 
 
 def shutdown_all():
