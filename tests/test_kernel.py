@@ -127,9 +127,13 @@ def test_the_nccl_option_is_checked_against_this_machines_gpus():
 
 
 @pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
-def test_kernel_end_leaves_no_worker(kernel, how):
+def test_kernel_end_leaves_no_worker(kernel, how, tmp_path):
+    """The ranks end with the kernel, however it ends, and as a script would: a file a cell left open for writing
+    keeps what was written (the kernel's exit killed the ranks, the rank that read EOF left with os._exit)."""
     kernel.execute("%load_ext course_utils")
     assert kernel.execute("%%ddp -n 2\nrank")[0] == "ok"
+    unclosed = f"log = open({str(tmp_path)!r} + f'/rank{{rank}}.txt', 'w')\nlog.write('kept')"
+    assert kernel.execute("%%ddp\n" + unclosed)[0] == "ok"
     pids = kernel.worker_pids()
     assert all(_alive(p) for p in pids)
     if how == "shutdown":
@@ -142,6 +146,8 @@ def test_kernel_end_leaves_no_worker(kernel, how):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), f"workers survived the kernel's {how}"
+    written = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
+    assert written == {"rank0.txt": "kept", "rank1.txt": "kept"}, f"after the kernel's {how}: {written}"
 
 
 def test_live_status_while_running_and_only_the_grouped_output_stays():

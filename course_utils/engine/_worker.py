@@ -52,7 +52,9 @@ def _die_with_parent(parent_pid):
     def watch():
         while True:
             if os.getppid() != parent_pid:
-                os._exit(1)
+                if _WORKER is None:
+                    os._exit(1)
+                _WORKER.end_without_the_notebook()  # as on EOF: the exit work first
             time.sleep(WATCHDOG_S)
 
     if os.getppid() != parent_pid:
@@ -312,6 +314,8 @@ class Worker:
         self.interruptible = False  # True only while the learner's own code runs: SIGINT lands there
         self.manage_group = env.get("COURSE_UTILS_GROUP", "1") == "1"  # False under spawn(): fn sets it up
         self.original = {}  # torch.distributed's own init/destroy, before the learner-facing wrappers
+        self.ending = False  # the notebook is gone and the rank is ending (end_without_the_notebook)
+        self.ending_lock = threading.Lock()
         self.generation = 0
         self.run_id = 0
         self.store = None
@@ -480,7 +484,7 @@ class Worker:
             try:
                 msg = _wire.recv(self.cmd_fd)
             except (EOFError, OSError):
-                os._exit(0)  # the notebook is gone: never linger
+                self.end_without_the_notebook()
             kind = msg[0]
             if kind == "stacks":
                 frame = sys._current_frames().get(main_id)
@@ -501,6 +505,25 @@ class Worker:
                     self.destroy_process_group()
             else:
                 self.commands.put(msg)
+
+    def end_without_the_notebook(self):
+        """The notebook is gone (its kernel exited or was killed): end as a script does, never linger. An idle rank
+        ends on its main thread, as after %ddp shutdown; one still running a cell gets 1 s, then the exit work
+        (atexit handlers, open files flushed) runs here and the rank exits. os._exit at once lost what an
+        unclosed file held (issue 41)."""
+        with self.ending_lock:  # once, whichever thread sees the notebook gone first (EOF, the watchdog)
+            if self.ending:
+                return
+            self.ending = True
+        self.commands.put(("shutdown",))
+        deadline = time.monotonic() + 1.0
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.busy:
+            _end_like_a_script()
+            os._exit(0)
+        time.sleep(5.0)  # the main thread ends the process; if it has not within 5 s, end it from here
+        os._exit(0)
 
     def finish(self, run_id, ok, payload):
         # Flush before saying "done": the notebook then reads the stream pipes until they are empty.

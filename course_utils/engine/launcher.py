@@ -306,13 +306,16 @@ def _kill(ranks):
         rk.close()
 
 
-def _shutdown(ranks):
+def _shutdown(ranks, wait_s=2.0):
+    """Ask every rank to end as a script does (its atexit handlers, its open files flushed), wait up to
+    ``wait_s``, then kill what is left. Also what a Cluster's finalizer does when the notebook's kernel exits
+    (1 s): a kill there lost what a rank had not yet written to an unclosed file (issue 41)."""
     for rk in ranks:
         try:
             rk.send(("shutdown",))
         except OSError:
             pass
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + wait_s
     for rk in ranks:
         try:
             rk.proc.wait(timeout=max(0.01, deadline - time.monotonic()))
@@ -429,7 +432,7 @@ class Cluster:
         self._forget_selector()
         self._ranks = _spawn(self.world_size, self.backend, self._pg_timeout, self._group)
         self._generation = 0
-        self._finalizer = weakref.finalize(self, _kill, list(self._ranks))
+        self._finalizer = weakref.finalize(self, _shutdown, list(self._ranks), 1.0)
         _LIVE.add(self)
         self.started_at = time.time()
         ready, errors = {}, {}
@@ -444,13 +447,15 @@ class Cluster:
             self._pump_until(started, time.monotonic() + START_TIMEOUT_S)
         except BaseException:  # a stop (KeyboardInterrupt) while the ranks start: none may be left running
             self._forget_selector()
-            self._finalizer()
+            self._finalizer.detach()
+            _kill(self._ranks)
             self._ranks = []
             raise
         if len(ready) < self.world_size:
             out = {rk.rank: rk.take_lines() for rk in self._ranks}
             self._forget_selector()
-            self._finalizer()
+            self._finalizer.detach()
+            _kill(self._ranks)
             self._ranks = []
             lines = [f"  rank {r}: {e['type']}: {e['message']}" for r, e in sorted(errors.items())]
             for r, streams in sorted(out.items()):
