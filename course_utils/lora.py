@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_utils.memory import skip_frozen  # noqa: F401  (a name of this module since lesson 15)
+from course_utils.true_size import GiB, MISTRAL_7B, LlamaShape
 
 __all__ = ["TINY", "LLAMA_2_7B", "MISTRAL_7B", "TARGETS", "LoRALinear", "add_lora", "lora_parameter_count",
            "tiny_tokenizer", "load_model", "quiet_transformers", "pretrain_tiny", "copy_into_peft",
            "peft_lora_config", "save_adapter", "lora_state_dict", "causal_lm_loss", "finetune_batch",
-           "true_size_peak", "peak_memory", "skip_frozen", "shard_lora", "train_steps"]
+           "true_size_peak", "llama_config", "card_verdicts", "peak_memory", "skip_frozen", "shard_lora", "train_steps"]
 
 # The tiny Llama of the lesson: 2 decoder layers, grouped-query attention (4 query heads, 2 key/value heads) as
 # Llama 2 70B, Llama 3 and Mistral use; about 0.1M parameters, vocabulary = the corpus's characters.
@@ -38,9 +39,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 LLAMA_2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                   tie_word_embeddings=False)
-MISTRAL_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
-                  tie_word_embeddings=False)
+# MISTRAL_7B is course_utils.true_size's LlamaShape (lesson 13's), one object for both lessons: true_size_peak takes
+# a LlamaShape as well as a dict of LlamaConfig's arguments (see llama_config).
 # The linear layers of a Llama/Mistral decoder layer: attention (q, k, v, o) and MLP (gate, up, down).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -268,11 +268,49 @@ def peak_memory(step, *tracked):
 
 
 # -- true size, with fake tensors ---------------------------------------------------------------------------------
+def llama_config(config):
+    """``LlamaConfig``'s arguments for ``config``: a dict of them (``LLAMA_2_7B``) is returned as it is, a
+    ``course_utils.true_size.LlamaShape`` (``MISTRAL_7B``, lesson 13's shapes) is translated (no rotary scaling,
+    untied head; ``max_position_embeddings`` left at its default, which changes no byte of a step)."""
+    if isinstance(config, LlamaShape):
+        return dict(vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
+                    num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+                    num_key_value_heads=config.n_kv_head, tie_word_embeddings=False)
+    if isinstance(config, dict):
+        return dict(config)
+    raise TypeError(f"config must be a LlamaShape (course_utils.true_size) or a dict of LlamaConfig's arguments, "
+                    f"got {type(config).__name__}")
+
+
+def card_verdicts(peaks, cards=(8, 16, 24), usable=0.85):
+    """Which rows of ``peaks`` fit ``usable`` of each card. A card sold as "N GB" has N GiB (nvidia-smi shows
+    N x 1024 MiB), so a row fits when its peak in bytes is at most ``usable * N * GiB``.
+
+    ``peaks``: {(method, strategy, W): (peak bytes, how)}. Returns {card: {(method, strategy): (W, peak) or None}}:
+    for each method and strategy the row that fits with the fewest cards (W = "any" first: one card per replica),
+    or None when none fits. Introduced in 15_fine_tuning_small_cards (its FAQ is printed from it)."""
+    out = {}
+    for card in cards:
+        verdict = {}
+        for (method, strategy, W), (peak, _) in peaks.items():
+            verdict.setdefault((method, strategy), None)
+            best = verdict[method, strategy]
+            if peak <= usable * card * GiB and (best is None or _cards(W) < _cards(best[0])):
+                verdict[method, strategy] = (W, peak)
+        out[card] = verdict
+    return out
+
+
+def _cards(W):
+    return 1 if W == "any" else W
+
+
 def true_size_peak(config=LLAMA_2_7B, *, lora=True, strategy="fsdp", world_size=2, r=16,
                    targets=("q_proj", "v_proj"), base_dtype=torch.bfloat16, micro_batch_size=1, seq_len=512,
                    checkpointing=True):
-    """The peak per rank of one training step (forward, backward, AdamW step) of a ``config``-shaped Llama,
-    measured with fake tensors: nothing is allocated, a 7B model is sized in seconds on a laptop.
+    """The peak per rank of one training step (forward, backward, AdamW step) of a ``config``-shaped Llama (a dict of
+    ``LlamaConfig``'s arguments, or a ``LlamaShape`` such as ``MISTRAL_7B``: see ``llama_config``), measured with fake
+    tensors: nothing is allocated, a 7B model is sized in seconds on a laptop.
 
     ``lora=False``: full fine-tuning, every parameter trainable, fp32 master weights and fp32 Adam state
     (``base_dtype`` is then the compute dtype of FSDP2's ``MixedPrecisionPolicy``; DDP keeps fp32 weights and
@@ -304,7 +342,7 @@ def true_size_peak(config=LLAMA_2_7B, *, lora=True, strategy="fsdp", world_size=
                            "(in the notebook's kernel, or %%ddp --rank 0 after dist.destroy_process_group)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        cfg = LlamaConfig(**config)
+        cfg = LlamaConfig(**llama_config(config))
         cfg._attn_implementation = "sdpa"
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)

@@ -73,6 +73,18 @@ class TransposedShapes(LoRALinear):
         self.lora_A = torch.nn.Parameter(torch.zeros(base.in_features, r))
 
 
+class BothZero(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        torch.nn.init.zeros_(self.lora_A.data)           # equal to the base at init, but nothing ever trains
+
+
+class ALargeNormal(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        torch.nn.init.normal_(self.lora_A.data, std=10.0)   # random, but at 60 times Kaiming uniform's scale
+
+
 class Scaffold(torch.nn.Module):
     def __init__(self, base, r=4, alpha=8):
         super().__init__()
@@ -83,6 +95,8 @@ WRONG = [
     (Scaffold, ["not written yet"]),
     (TransposedShapes, ["lora_A has shape", "r x in_features"]),
     (BNotZero, ["lora_B must start at zero"]),
+    (BothZero, ["lora_A starts at zero", "training never starts", "kaiming_uniform_"]),
+    (ALargeNormal, ["standard deviation", "Kaiming uniform", "kaiming_uniform_"]),
     (BaseTrainable, ["must be frozen", "requires_grad_(False)"]),
     (NoScaling, ["scaling alpha / r is missing"]),
     (InvertedScaling, ["inverted"]),

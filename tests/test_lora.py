@@ -131,3 +131,58 @@ def test_true_size_with_fake_tensors_matches_the_formulas():
     base = lora["params"] - lora["trainable"]
     assert lora["parameters"] == 2 * base + 4 * lora["trainable"], lora     # a bf16 base, fp32 adapters
     assert lora["total"] < full["total"] * 2
+
+
+def test_true_size_peak_agrees_with_lesson_13s_measure_step():
+    """15's cell "At the true size" sizes the 7B rows with measure_step; true_size_peak (exercise 3) measures the same
+    step on transformers' LlamaForCausalLM. On a small grouped-query shape, given as a LlamaShape as MISTRAL_7B is,
+    the two peaks agree within 3 % (DDP on one rank, FSDP2 at W = 2)."""
+    from course_utils.true_size import LlamaShape, measure_step, step_peak
+
+    shape = LlamaShape("small", vocab_size=1000, d_model=256, n_layer=2, d_ff=512, n_head=4, n_kv_head=2)
+
+    def lora_over_bf16_base(model):
+        model.to(torch.bfloat16)
+        add_lora(model, targets=("q_proj", "v_proj"), r=16, alpha=32)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+
+    lora = dict(modify=lora_over_bf16_base, seq_len=64, checkpoint=True)
+    ddp = measure_step(shape, strategy="replica", **lora)
+    theirs = true_size_peak(shape, lora=True, strategy="ddp", world_size=1, seq_len=64)
+    ours = step_peak(ddp)[0] + 4 * ddp["n_trainable"]                   # + DDP's bucket, as the lesson adds it
+    assert abs(theirs["total"] - ours) < 0.03 * ours, ("DDP", theirs["total"], ours)
+    fsdp = measure_step(shape, strategy="fsdp2", world_size=2, mixed_precision=True, **lora)
+    theirs = true_size_peak(shape, lora=True, strategy="fsdp", world_size=2, seq_len=64)
+    assert abs(theirs["total"] - step_peak(fsdp)[0]) < 0.03 * step_peak(fsdp)[0], ("FSDP2", theirs, step_peak(fsdp))
+
+
+def test_mistral_7b_is_one_object_and_true_size_peak_takes_it():
+    import course_utils.lora as lora
+    import course_utils.true_size as true_size
+    from course_utils.lora import llama_config
+
+    assert lora.MISTRAL_7B is true_size.MISTRAL_7B, "one MISTRAL_7B for lessons 13 and 15"
+    config = llama_config(true_size.MISTRAL_7B)
+    assert (config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"]) == (4096, 14336, 8)
+    with pytest.raises(TypeError, match="LlamaShape"):
+        llama_config([4096])
+
+
+def test_card_verdicts_size_cards_in_gib():
+    """The numbers that once fooled lesson 15: LoRA + DDP at 14.0e9 bytes was judged against 0.85 x 16e9 = 13.6e9 and
+    refused a 16 GB card, which has 16 GiB: 0.85 x 16 GiB = 14.6e9 bytes."""
+    from course_utils.lora import card_verdicts
+    from course_utils.true_size import GiB
+
+    peaks = {("LoRA", "DDP", "any"): (14.0e9, "measured"),
+             ("LoRA", "FSDP2", 4): (5.3e9, "measured"), ("LoRA", "FSDP2", 2): (8.7e9, "measured"),
+             ("full", "FSDP2", 4): (27.2e9, "counted")}
+    v = card_verdicts(peaks, cards=(8, 16, 24), usable=0.85)
+    assert v[16]["LoRA", "DDP"] == ("any", 14.0e9), "14.0e9 bytes fit 85% of 16 GiB"
+    assert v[8]["LoRA", "DDP"] is None and v[8]["LoRA", "FSDP2"] == (4, 5.3e9), v[8]
+    assert v[16]["LoRA", "FSDP2"] == (2, 8.7e9), "the fewest cards that fit"
+    assert all(v[c]["full", "FSDP2"] is None for c in (8, 16, 24)), "27.2e9 > 0.85 x 24 GiB"
+    edge = card_verdicts({("m", "s", "any"): (0.85 * 16 * GiB, "")}, cards=(16,))
+    assert edge[16]["m", "s"] is not None, "a peak equal to the budget fits"

@@ -5,7 +5,9 @@ Introduced in 15_fine_tuning_small_cards. It builds the learner's ``LoRALinear``
 from alpha) and checks, in this order, each with its own verdict:
 
 1. the shapes: ``lora_A`` is r x in_features, ``lora_B`` is out_features x r;
-2. at initialisation the output equals the base's exactly (B starts at zero);
+2. at initialisation the output equals the base's exactly (B starts at zero), A is random at Kaiming uniform's
+   scale (nn.Linear's and peft's init: standard deviation 1 / sqrt(3 x in_features), within a factor of 3), and one
+   backward gives B a non-zero gradient and A a zero one (with A = 0 too, nothing would ever train);
 3. only A and B are trainable (r x (in + out) numbers). Inside a process group of 2 or more ranks the wrapped
    layer is also put under DDP with lesson 09's byte counter, and the bytes of one backward are compared with
    4 x r x (in + out): a trainable base shows up on the wire;
@@ -64,6 +66,8 @@ def check_lora_linear(cls):
         + (": lora_B must start at zero (torch.zeros), so that B @ A = 0 and fine-tuning starts from the base model"
            if B.detach().abs().max() > 0 else ": with B = 0 the update is 0; forward should return base(x) + update"))
 
+    _check_initial_a(A)
+
     trainable = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for _, p in trainable)
     expected = R * (IN + OUT)
@@ -76,6 +80,8 @@ def check_lora_linear(cls):
             "(base.weight.requires_grad_(False), and its bias)")
     assert not extra, (f"{n_trainable} trainable numbers where LoRA trains r x (in + out) = {expected}: {extra} "
                        "must be frozen (requires_grad_(False)); DDP would all-reduce their gradients every step")
+
+    _check_initial_gradients(layer, x, A, B)
 
     with torch.no_grad():
         A.copy_(torch.randn(R, IN, generator=torch.Generator().manual_seed(2)))
@@ -130,6 +136,46 @@ def check_lora_linear(cls):
     where = f", {wire} bytes per backward under DDP" if wire is not None else ""
     _say(f"check_lora_linear: equal to the base at initialisation; {expected} trainable numbers, r x (in + out)"
          f"{where}; scaled by alpha / r; merge() equal within 1e-5; a tiny Llama unchanged by add_lora{solution}.")
+
+
+# The standard deviation of Kaiming uniform with a = sqrt(5) (nn.Linear's weight; peft 0.21.2's reset_lora_parameters
+# for A with init_lora_weights=True): U(-b, b), b = 1 / sqrt(in_features), std b / sqrt(3). Accepted: a third of it to
+# 3 times it (peft's "gaussian" init, std 1 / r, is 2 times it here).
+A_STD = 1 / (3 * IN) ** 0.5
+A_BAND = (A_STD / 3, 3 * A_STD)
+
+
+def _check_initial_a(A):
+    """A starts random at Kaiming uniform's scale: not zero (then B's gradient is zero too and nothing ever trains)
+    and not far larger or smaller (the first steps' updates scale with A)."""
+    std = A.detach().float().std().item()
+    assert A.detach().abs().max() > 0, (
+        "lora_A starts at zero: with B = 0 too, neither A's nor B's gradient is ever non-zero and training never "
+        "starts. Initialise lora_A randomly, as nn.Linear's weight: nn.init.kaiming_uniform_(self.lora_A, "
+        "a=math.sqrt(5)); only lora_B starts at zero")
+    assert A_BAND[0] <= std <= A_BAND[1], (
+        f"lora_A starts with standard deviation {std:.3g}; Kaiming uniform (nn.Linear's init, and peft's) gives "
+        f"{A_STD:.3g} for in_features = {IN}: use nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5)), not a "
+        "fixed-scale normal")
+
+
+def _check_initial_gradients(layer, x, A, B):
+    """At initialisation (A random, B = 0) one backward gives B a non-zero gradient and A a zero one: training
+    starts by moving B."""
+    y = layer(x)
+    assert y.requires_grad, ("the output does not require grad: the update must be computed from lora_A and lora_B "
+                             "themselves (not from a detached copy), so that lora_A.grad or lora_B.grad is not empty")
+    y.sum().backward()
+    b_grad = 0.0 if B.grad is None else B.grad.abs().max().item()
+    a_grad = 0.0 if A.grad is None else A.grad.abs().max().item()
+    layer.zero_grad(set_to_none=True)
+    assert b_grad > 0, (
+        "at initialisation lora_B.grad is zero, so the first step cannot move B and training never starts: B's "
+        "gradient is (x A^T)^T times the output's, so A must start random (not zero) and forward must use "
+        "lora_B (not a detached copy)")
+    assert a_grad == 0, (
+        f"at initialisation lora_A.grad is {a_grad:.3g}, not zero: with B = 0, A's gradient (B^T times the "
+        "output's) must be exactly zero; lora_B must start at zero")
 
 
 def _say(message):
