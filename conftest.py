@@ -14,13 +14,14 @@ the suite's fixtures).
 
 `pytest -n 0 ...` runs in one process, as before (for a debugger, or to time one file alone).
 """
-import json
-from datetime import datetime
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import stored_outputs  # noqa: E402  (scripts/ is not a package; the lessons' stored times are read there once)
 
 TIMED = {
     # timed asserts (with 5x margins) and the dead-rank and straggler tests, whose verdicts follow the order in
@@ -39,19 +40,11 @@ LONG_MODULES = {"tests/test_browser.py": 120, "tests/test_finetune_script.py": 1
 
 
 def _stored_seconds(path):
-    """The sum of a notebook's stored cell execution times (0 when it has none)."""
+    """The sum of a notebook's stored cell execution times (scripts/stored_outputs.py reads them; 0 when none)."""
     try:
-        cells = json.loads(path.read_text())["cells"]
+        return sum(seconds or 0.0 for _, seconds in stored_outputs.cell_times(path))
     except (OSError, ValueError, KeyError):
         return 0.0
-    total = 0.0
-    for cell in cells:
-        execution = cell.get("metadata", {}).get("execution", {})
-        start, end = execution.get("iopub.execute_input"), execution.get("shell.execute_reply")
-        if start and end:
-            total += (datetime.fromisoformat(end.replace("Z", "+00:00"))
-                      - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
-    return total
 
 
 def unit_of(path):

@@ -110,13 +110,11 @@ def lora_parameter_count(model, targets=("q_proj", "v_proj"), r=4):
 
 def lora_state_dict(model):
     """The adapters of a model wrapped by ``add_lora``, under peft's names
-    (``base_model.model.<module>.lora_A.weight``): what ``adapter_model.safetensors`` holds."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear) or (hasattr(m, "lora_A") and isinstance(getattr(m, "lora_A"), nn.Parameter)):
-            out[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().float().contiguous().clone()
-            out[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().float().contiguous().clone()
-    return out
+    (``base_model.model.<module>.lora_A.weight``): what ``adapter_model.safetensors`` holds. ``model`` may also be a
+    full state dict of such a model (scripts/finetune_lora.py gathers one from its FSDP shards)."""
+    state = model if isinstance(model, dict) else dict(model.named_parameters())
+    return {f"base_model.model.{name}.weight": t.detach().float().contiguous().clone()
+            for name, t in state.items() if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
 
 
 def peft_lora_config(targets=("q_proj", "v_proj"), r=4, alpha=8, base=None):
@@ -145,9 +143,10 @@ def copy_into_peft(hand, peft_model):
 
 
 def save_adapter(model, directory, targets=("q_proj", "v_proj"), r=4, alpha=8, base=None):
-    """Write the adapters of ``model`` (wrapped by ``add_lora``) as peft does: ``adapter_model.safetensors`` and
-    ``adapter_config.json`` in ``directory``; ``PeftModel.from_pretrained(base_model, directory)`` loads them.
-    A few KiB: the base is not saved (``base``: its path or hub name, recorded in the config)."""
+    """Write the adapters of ``model`` (wrapped by ``add_lora``, or its full state dict) as peft does:
+    ``adapter_model.safetensors`` and ``adapter_config.json`` in ``directory``;
+    ``PeftModel.from_pretrained(base_model, directory)`` loads them. A few KiB: the base is not saved (``base``: its
+    path or hub name, recorded in the config)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)

@@ -54,7 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from course_utils.lora import add_lora, load_model, peft_lora_config, tiny_tokenizer, train_steps
+from course_utils.lora import add_lora, load_model, save_adapter, tiny_tokenizer, train_steps
 
 OPTIONS = StateDictOptions(ignore_frozen_params=True)   # the base is reloaded from --model, never saved
 # loading: the frozen keys are missing on purpose (dcp.load itself fails if a trainable one is)
@@ -204,27 +204,16 @@ def load(model, optimizer, path):
 def save_adapters(model, args, directory):
     """The trained adapters in peft's format, in ``directory``: ``adapter_model.safetensors`` and
     ``adapter_config.json``, loaded by ``PeftModel.from_pretrained(base, directory)``. Every rank takes part (under
-    FSDP each holds 1/W of every adapter); the whole tensors come to rank 0's CPU only, and rank 0 writes them.
-
-    course_utils.lora.save_adapter writes the same files from a model whose adapters are whole tensors (lesson 15,
-    one process); here they are gathered first, then named as peft names them (its lora_state_dict).
-    """
-    from safetensors.torch import save_file
-
+    FSDP each holds 1/W of every adapter); the whole tensors come to rank 0's CPU only, and rank 0 writes them with
+    course_utils.lora.save_adapter, as lesson 15 does from one process."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     state = get_model_state_dict(model, options=options)          # {} on every rank but 0
     if dist.get_rank() == 0:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        # "model.layers.0.self_attn.q_proj.lora_A" -> "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
-        tensors = {f"base_model.model.{name}.weight": t.float().contiguous() for name, t in state.items()
-                   if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
-        save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
         alpha = 2 * args.lora_r if args.lora_alpha is None else args.lora_alpha
         base = None if args.model == "tiny" else args.model
-        peft_lora_config(targets_of(args), args.lora_r, alpha, base).save_pretrained(str(directory))
-        print(f"adapters saved in {directory} ({len(tensors)} tensors): "
-              f"PeftModel.from_pretrained(base, {str(directory)!r}) loads them", flush=True)
+        save_adapter(state, directory, targets_of(args), args.lora_r, alpha, base)
+        print(f"adapters saved in {directory}: PeftModel.from_pretrained(base, {str(directory)!r}) loads them",
+              flush=True)
     dist.barrier()
 
 

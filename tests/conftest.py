@@ -113,12 +113,16 @@ def pytest_sessionfinish(session, exitstatus):
         return                                                               # a nested pytest inherits it)
     new = sorted((repository_extras() or set()) - _EXTRAS_AT_START)
     if new:
-        message = f"the tests wrote into the repository: {new}"
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"\nconftest: {message}", red=True)
-        if in_ci() and session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        _report_and_fail_in_ci(session, f"the tests wrote into the repository: {new}")
+
+
+def _report_and_fail_in_ci(session, message):
+    """Say what a test left behind at the end of the run, and fail the run in CI."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"\nconftest: {message}", red=True)
+    if in_ci() and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def home_entries(home=None, depth=4, limit=200_000, skip=()):
@@ -177,12 +181,7 @@ class HomeCheck:
             return
         home = os.path.expanduser("~")
         shown = [os.path.join(home, p) for p in new[:30]] + ([f"... {len(new) - 30} more"] if len(new) > 30 else [])
-        message = f"the tests wrote into HOME ({home}): {shown}"
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"\nconftest: {message}", red=True)
-        if in_ci() and session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        _report_and_fail_in_ci(session, f"the tests wrote into HOME ({home}): {shown}")
 
 
 def pytest_configure(config):
