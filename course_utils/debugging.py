@@ -584,6 +584,34 @@ def step_intervals(events, comm="gloo:all_reduce"):
             "comm": [(to_s(a), to_s(b)) for a, b in sorted(comms)]}
 
 
+def describe_hidden_fractions(hand, traced, band=0.25):
+    """The sentence after "Measured here:" for lesson 16's two measures of overlap: ``hand[r]`` and ``traced[r]``
+    are rank r's hidden fractions over the profiled steps, from lesson 07's hand-made timeline (each all-reduce
+    from its launch in the comm hook to its callback) and from the trace (gloo's own run of each all-reduce).
+    Compares the medians per rank against ``band`` and, where they differ by more, names the reason the numbers
+    point to: a hand-made figure lower than the trace's means the callbacks ran late (a callback needs the GIL,
+    which backward holds, and a loaded machine delays it further); a higher one means the all-reduces waited
+    in gloo's queue during backward (the hand-made interval counts that wait, hidden; the trace only the run)."""
+    import statistics
+
+    parts, reasons = [], []
+    for r in range(len(hand)):
+        h, t = statistics.median(hand[r]), statistics.median(traced[r])
+        parts.append(f"rank {r} hid {t:.2f} of its communication behind backward by the trace, {h:.2f} by the "
+                     f"hand-made timeline")
+        if abs(h - t) <= band:
+            continue
+        if h < t:
+            reasons.append(f"rank {r}'s hand-made figure is {t - h:.2f} lower: its callbacks ran late, after "
+                           "gloo had finished (a callback needs the GIL that backward holds, and load delays it)")
+        else:
+            reasons.append(f"rank {r}'s hand-made figure is {h - t:.2f} higher: its all-reduces queued behind "
+                           "each other during backward, a wait the hand-made interval counts as hidden and the "
+                           "trace does not")
+    verdict = (f"the two agree within {band} on every rank" if not reasons else "; ".join(reasons))
+    return "; ".join(parts) + f". {verdict[0].upper()}{verdict[1:]}."
+
+
 def plot_trace(events, title="", ax=None, names=("forward", "backward", "optimizer step"), comm="gloo:all_reduce"):
     """Draw one step's trace per thread: the labelled ranges on the thread that ran them, each communication
     event on the thread that ran it (gloo's worker threads), in milliseconds from the step's start."""

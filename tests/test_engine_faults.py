@@ -522,3 +522,52 @@ def test_a_stop_while_a_rank_starts_acts_once_the_rank_is_recorded():
         assert got == [1], "the stop must reach the handler that was there before the block"
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_a_rank_waiting_in_a_gloo_collective_sees_a_stop_at_once(two):
+    """torch's Work.wait is one C++ call: a SIGINT (the stop button, the engine's release) reached Python only when
+    the collective ended, and a rank whose collective gloo never completes (it posted its receive on a connection
+    that was closing: 1 error cell in about 300 on 4 ranks) was replaced, names lost. The engine waits in slices.
+    Here rank 1 stops itself while rank 0 is still asleep: before, the stop landed after the all_reduce, 10 s on."""
+    cell = textwrap.dedent("""\
+        import os, signal, threading, time, torch, torch.distributed as dist
+        if rank == 1:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        else:
+            time.sleep(10)   # the engine stops this sleep once rank 1 has failed
+        dist.all_reduce(torch.ones(1))
+        """)
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as err:
+        two.run(cell)
+    took = time.monotonic() - start
+    text = str(err.value)
+    own = text.split("The other ranks")[0]
+    assert "rank 1 failed with KeyboardInterrupt" in own, text
+    assert "in all_reduce" in own and "work.wait()" in own, f"the stop must land inside the collective:\n{text}"
+    assert "rank 0: was running at <ddp>, line 5: time.sleep(10)" in text, text
+    assert took < 8, f"the stop took {took:.1f} s: it waited for rank 0's sleep to end"
+    assert two.run("rank") == [0, 1]  # the same ranks, released and regrouped
+
+
+def test_a_wait_on_a_work_without_timed_waits_still_works(two):
+    """The sliced wait falls back to one plain wait for a kind of work that has no timed wait (a future's)."""
+    cell = ("import torch\nfrom torch._C._distributed_c10d import _create_work_from_future\n"
+            "fut = torch.futures.Future()\nfut.set_result([torch.ones(1)])\n"
+            "_create_work_from_future(fut).wait()")
+    assert two.run(cell) == [True, True]
+
+
+def test_a_recv_that_waits_longer_than_a_slice_still_gets_its_message(two):
+    """gloo ends a recv whose timed wait runs out: the sliced wait leaves sends and recvs to one plain wait."""
+    cell = textwrap.dedent("""\
+        import time, torch, torch.distributed as dist
+        buf = torch.full((3,), float(rank))
+        if rank == 0:
+            time.sleep(0.5)   # five slices
+            dist.send(torch.arange(3.0), dst=1)
+        else:
+            dist.recv(buf, src=0)
+        buf.tolist()
+        """)
+    assert two.run(cell) == [[0.0, 0.0, 0.0], [0.0, 1.0, 2.0]]

@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 import types
+import weakref
 
 from course_utils.engine import _wire
 
@@ -234,6 +235,58 @@ def keep_every_group_alive():
     c10d._new_process_group_helper = new_process_group_helper
 
 
+FREE_WAIT_S = 0.5  # how long a safe point waits for freed groups to end their worker threads
+WAIT_SLICE_S = 0.1  # a gloo collective is waited for in slices this long, so that a release or a stop gets in
+
+
+def release_collective_waits(worker):
+    """Wait for a gloo collective in slices of WAIT_SLICE_S instead of in one uninterruptible C++ call.
+
+    A rank that enters its collective just as its peers close their connections (they failed, or the engine cut
+    them to release the ranks) can post its receive on a connection that gloo is closing: gloo never completes it
+    and the rank waits for the group's timeout (30 minutes), with SIGINT unable to reach Python. Seen 1 cell in
+    about 300 with an error on one rank of 4; the engine then replaced the ranks and the names were lost. Between
+    slices the rank sees the engine's release (an abort while it is busy: worker.released) and a stop. The work it
+    gave up on still blocks a gloo thread until the group's timeout (see free_destroyed_groups).
+    Not for a send or a recv (gloo finishes one with an error when a timed wait runs out; they wait on the
+    connections themselves, so the engine's cut of the connections ends their wait), not on NCCL (a wait with a
+    timeout there may abort the communicator) nor once CUDA is in use."""
+    import torch
+    import torch.distributed as dist
+
+    wait = dist.Work.wait
+    if getattr(wait, "_sliced", False):
+        return
+    zero = datetime.timedelta(0)
+    point_to_point = weakref.WeakSet()  # gloo ends a send or a recv whose timed wait ran out: never slice those
+    for name in ("send", "recv", "recv_anysource"):
+        def recorded(self, *args, _call=getattr(dist.ProcessGroup, name), **kwargs):
+            work = _call(self, *args, **kwargs)
+            point_to_point.add(work)
+            return work
+        setattr(dist.ProcessGroup, name, recorded)
+
+    def sliced_wait(self, timeout=zero):
+        if worker.backend == "nccl" or torch.cuda.is_initialized() or self in point_to_point:
+            return wait(self, timeout)
+        deadline = time.monotonic() + timeout.total_seconds() if timeout > zero else None
+        while True:
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+            try:
+                return wait(self, datetime.timedelta(seconds=max(left, 0.001)))
+            except RuntimeError as exc:
+                if "not implemented" in str(exc):  # a kind of work without timed waits (one made from a future)
+                    return wait(self, timeout)
+                if "timed out" not in str(exc) or (deadline is not None and time.monotonic() >= deadline):
+                    raise  # the collective's own error, or the caller's own timeout
+            if worker.busy and worker.released == worker.run_id:
+                raise RuntimeError("released by the engine while waiting in a collective: another rank failed or "
+                                   "the cell was stopped")
+
+    sliced_wait._sliced, sliced_wait.original = True, wait
+    dist.Work.wait = sliced_wait
+
+
 def free_destroyed_groups():
     """Free the kept groups that torch destroyed before the previous safe point and that nothing else
     holds from Python; called on the main thread before each command from the notebook.
@@ -277,7 +330,12 @@ def free_destroyed_groups():
     _DESTROYED.clear()
     _DESTROYED.update(id(pg) for pg in keep if id(pg) not in live)
     _COLLECTED.intersection_update(id(pg) for pg in keep)
-    free.clear()  # ~ProcessGroupGloo runs here, on the main thread, with no work of these groups running
+    if free:  # ~ProcessGroupGloo joins the group's worker threads (without the GIL). One still blocked in a work
+        # that nothing will complete (a wait the engine released, a stop between posting a collective and waiting
+        # for it) joins only at the group's timeout: the rank goes on after FREE_WAIT_S and leaves it to that thread
+        ender = threading.Thread(target=free.clear, name="course_utils-free-groups", daemon=True)
+        ender.start()
+        ender.join(FREE_WAIT_S)
 
 
 def send_cell_code_by_value(main_module):
@@ -328,6 +386,7 @@ class Worker:
         self.group_lock = threading.Lock()  # the control thread destroys the group of an idle rank
         self.deferred_since = 0.0  # when a stop was first deferred for an import in progress (0: none)
         self.poisoned = ""  # why this rank must be replaced rather than reused (a stop landed mid-import)
+        self.released = 0  # the run whose collective waits the engine released (an abort while busy)
 
     # -- process group -----------------------------------------------------------------
     def init_process_group(self):
@@ -496,6 +555,8 @@ class Worker:
                     "where": _where(stack),
                 }))
             elif kind == "abort":  # drop our connections so that every rank stuck in a collective errors out
+                if self.busy:
+                    self.released = self.run_id  # a gloo wait that the cut cannot end ends at its next slice
                 self.abort_nccl()
                 if not self.manage_group:
                     self.cut_peer_connections()
@@ -644,6 +705,7 @@ class Worker:
         import torch.distributed.nn  # noqa: F401  before the group exists (see _forkstart.PRELOAD)
 
         keep_every_group_alive()
+        release_collective_waits(self)
         send_cell_code_by_value(self.main_module)
         dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG set after the server started
         torch.seed()  # a seed from the OS, as a fresh interpreter draws one

@@ -31,6 +31,7 @@ from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: pu
 BACKENDS = ("auto", "gloo", "nccl")
 ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own
 RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
+REABORT_S = 0.5        # while it waits, a rank still busy is sent the abort again this often
 DEAD_TOGETHER_S = 2.0  # after a rank dies, how long the report waits at most for others that die with it;
 BLOCKED_SAMPLES = 2    # it stops sooner once every live rank is seen blocked this many times in a row (_blocked)
 EXIT_CODE_S = 10.0     # a dead forked rank's exit code comes from the fork server, which reaps it: on a loaded
@@ -871,8 +872,17 @@ class Cluster:
                              time.monotonic() + 1.0)
             self._replace(start=False)
             return "The other ranks were stopped."
-        self._pump_until(lambda: all(rk.rank in results for rk in self._ranks)
-                         or any(rk.dead for rk in self._ranks), time.monotonic() + RELEASE_S)
+        deadline = time.monotonic() + RELEASE_S
+        while True:
+            released = lambda: all(rk.rank in results for rk in self._ranks) or any(rk.dead for rk in self._ranks)
+            if self._pump_until(released, min(deadline, time.monotonic() + REABORT_S)) or time.monotonic() >= deadline:
+                break
+            for rk in self._ranks:  # a rank that reached its collective after the abort (a loaded machine) has
+                if rk.rank not in results and not rk.dead:  # opened connections since: cut those too
+                    try:
+                        rk.send(("abort",))
+                    except OSError:
+                        self._mark_dead(rk)
         if all(rk.rank in results for rk in self._ranks) and self._rebuild_group():
             return "The ranks were released and the process group rebuilt; names you defined are kept."
         self._replace(start=not interrupt)  # after an interrupt, start lazily: the cell returns now
