@@ -273,6 +273,30 @@ def test_multiprocessing_spawn_and_forkserver_contexts_get_functions_and_classes
                  "[b.tolist() for b in loader]") == [[[0.0, 1.0], [4.0, 9.0]]]
 
 
+def test_instances_of_cell_classes_come_back_from_every_context_as_the_cells_class(make_cluster):
+    """Both directions, fork, spawn and forkserver: a Pool returning a cell's class could not send it back
+    (MaybeEncodingError), a fork child's instances were of a by-value copy (isinstance False), and ranks inherited
+    the engine's "forkserver" start method, which no torchrun process has: a DataLoader with 2 workers and a
+    cell's Dataset hung on its items. Ranks now have the platform's start method, as under torchrun."""
+    import multiprocessing
+
+    c = make_cluster(1, timeout=120)
+    assert c.run("import multiprocessing as mp\nmp.get_start_method()") == [multiprocessing.get_start_method()]
+    c.run("import torch\n"
+          "class Box:\n    def __init__(self, v):\n        self.v = v\n"
+          "def make(v):\n    return Box(v)\n"
+          "class Boxes(torch.utils.data.Dataset):\n"
+          "    def __len__(self):\n        return 4\n"
+          "    def __getitem__(self, i):\n        return make(i)")
+    for method in ("fork", "spawn", "forkserver"):
+        got = c.run(f"with mp.get_context({method!r}).Pool(2) as pool:\n"
+                    "    out = pool.map_async(make, [1, 2]).get(60)\n"
+                    "[(type(b) is Box, b.v) for b in out]")
+        assert got == [[(True, 1), (True, 2)]], method
+    assert c.run("loader = torch.utils.data.DataLoader(Boxes(), batch_size=None, num_workers=2, timeout=60)\n"
+                 "[(isinstance(b, Box), b.v) for b in loader]") == [[(True, i) for i in range(4)]]
+
+
 def test_the_same_checker_verdict_on_every_rank_is_shown_once(make_cluster):
     """A checker's verdict raised on every rank printed twice (summary and traceback), then a 'rank N: then
     raised AssertionError' line per rank: one wrong answer read as many failures."""
