@@ -39,7 +39,11 @@ FOREACH_NOTE = (
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """The published shape of a Llama-family decoder: RMSNorm, grouped-query attention, SwiGLU, untied head."""
+    """The published shape of a Llama-family decoder: RMSNorm, grouped-query attention, SwiGLU, untied head.
+
+    Optional, for the decoders of the same family that differ (their defaults keep the Llama shape): ``qkv_bias``
+    (Qwen2: biases on q_proj, k_proj and v_proj), ``tie_embeddings`` (the head shares the embedding's weight, as the
+    small Qwen2.5 models do), ``head_dim`` (when it is not ``d_model // n_head``)."""
     name: str
     vocab_size: int
     d_model: int
@@ -47,13 +51,22 @@ class LlamaShape:
     d_ff: int
     n_head: int
     n_kv_head: int
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    head_dim: int = None
+
+    @property
+    def dims_per_head(self):
+        return self.head_dim or self.d_model // self.n_head
 
     @property
     def n_params(self):
-        head_dim = self.d_model // self.n_head
-        attn = 2 * self.d_model * self.d_model + 2 * self.d_model * self.n_kv_head * head_dim
+        head_dim = self.dims_per_head
+        q, kv = self.n_head * head_dim, self.n_kv_head * head_dim
+        attn = 2 * self.d_model * q + 2 * self.d_model * kv + (q + 2 * kv if self.qkv_bias else 0)
         block = attn + 3 * self.d_model * self.d_ff + 2 * self.d_model
-        return 2 * self.vocab_size * self.d_model + self.n_layer * block + self.d_model
+        embeddings = (1 if self.tie_embeddings else 2) * self.vocab_size * self.d_model
+        return embeddings + self.n_layer * block + self.d_model
 
 
 # Llama 2 7B and Mistral 7B v0.1: the configurations their authors published (config.json on the hub).
@@ -68,25 +81,26 @@ ARTICLE_14GB = LlamaShape("the article's 14 GB", vocab_size=32000, d_model=2048,
 class LlamaBlock(nn.Module):
     def __init__(self, s):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = s.n_head, s.n_kv_head, s.d_model // s.n_head
+        self.n_head, self.n_kv_head, self.head_dim = s.n_head, s.n_kv_head, s.dims_per_head
+        q = s.n_head * self.head_dim
         self.attn_norm = nn.RMSNorm(s.d_model)
-        self.q_proj = nn.Linear(s.d_model, s.d_model, bias=False)
-        self.k_proj = nn.Linear(s.d_model, s.n_kv_head * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(s.d_model, s.n_kv_head * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(s.d_model, s.d_model, bias=False)
+        self.q_proj = nn.Linear(s.d_model, q, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.d_model, s.n_kv_head * self.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.d_model, s.n_kv_head * self.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(q, s.d_model, bias=False)
         self.mlp_norm = nn.RMSNorm(s.d_model)
         self.gate_proj = nn.Linear(s.d_model, s.d_ff, bias=False)
         self.up_proj = nn.Linear(s.d_model, s.d_ff, bias=False)
         self.down_proj = nn.Linear(s.d_ff, s.d_model, bias=False)
 
     def forward(self, x):
-        B, T, C = x.shape
+        B, T, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(B, T, C))
+        x = x + self.o_proj(a.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -100,6 +114,8 @@ class LlamaShaped(nn.Module):
         self.blocks = nn.ModuleList(LlamaBlock(s) for _ in range(s.n_layer))
         self.norm = nn.RMSNorm(s.d_model)
         self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
+        if s.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, idx):
         h = self.embed_tokens(idx)
@@ -186,7 +202,9 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
     which leaves the bytes a whole step would; ``warmup="full"`` runs the whole step, forward and backward too).
 
     Returns ``{"forward": kinds, "backward": kinds, "step": kinds, "n_params": ..., "n_trainable": ...,
-    "seconds": ...}``; each ``kinds`` is the phase's peak with its breakdown at that moment.
+    "seconds": ..., "param_dtype": ..., "autocast": ...}``; each ``kinds`` is the phase's peak with its breakdown
+    at that moment; ``param_dtype`` is the trainable parameters' dtype (None if mixed), ``autocast`` whether the
+    replica ran under bf16 autocast.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -214,6 +232,8 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
             raise ValueError(f"strategy={strategy!r}: use 'fsdp2' or 'replica' (DDP and ZeRO start from a replica)")
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             model.to_empty(device="cpu")
+            if getattr(shape, "tie_embeddings", False) and strategy == "replica":
+                model.lm_head.weight = model.embed_tokens.weight    # to_empty gave each its own (fully_shard: one)
             if not fake:
                 # Real values are only there to be stepped, never compared, so DTensor's warning that its random
                 # ops may not match a GPU mesh's on a CPU mesh says nothing here (and it printed the venv's path).
@@ -263,7 +283,10 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
                 optimizer.step()
                 phases["step"] = _kinds(tracker.get_tracker_snapshot("peak"))
                 optimizer.zero_grad(set_to_none=True)
-    phases.update(n_params=n_params, n_trainable=n_trainable, seconds=time.perf_counter() - t0)
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    phases.update(n_params=n_params, n_trainable=n_trainable, seconds=time.perf_counter() - t0,
+                  param_dtype=dtypes.pop() if len(dtypes) == 1 else None,
+                  autocast=bool(mixed_precision and strategy == "replica"))
     return phases
 
 
@@ -278,17 +301,26 @@ def replica_strategies(replica, world_size, mixed_precision=False):
 
     Measured: the replica's phases (weights, gradients, AdamW state, activations and temporaries of one
     micro-batch). Counted on top, per rank: DDP's bucket copy of the gradients (``gradient_as_bucket_view=False``:
-    4 B per trainable parameter, alive from backward on); ZeRO-1 keeps 1/W of the optimizer state; ZeRO-2 also
+    4 B per trainable parameter in fp32, alive from backward on); ZeRO-1 keeps 1/W of the optimizer state; ZeRO-2 also
     keeps 1/W of the gradients after their reduce-scatter (one bucket of full gradients at a time, not counted).
-    With ``mixed_precision`` (the ZeRO paper's split), the weights and gradients are bf16 (2 + 2 B) and the
-    optimizer keeps an fp32 master copy beside its moments (4 + 8 B): counted from the same parameter counts.
+    With ``mixed_precision`` (the ZeRO paper's split), the weights and gradients are bf16 (2 + 2 B), the
+    optimizer keeps an fp32 master copy beside its moments (4 + 8 B) and DDP's bucket holds bf16 gradients (2 B):
+    counted from the same parameter counts, on top of the activations of a replica measured in **pure bf16**
+    (``modify=lambda m: m.to(torch.bfloat16)``). A replica under autocast over fp32 weights will not do: autocast
+    saves a bf16 copy of every linear weight for backward, which lands in its activations, so the bf16 weights
+    were counted twice (the article's 14 GB model: mixed DDP 21.37 GB, above fp32 DDP's 20.46).
     Returns ``{strategy: bytes at the step's peak}``.
     """
+    if mixed_precision and (replica.get("autocast") or replica.get("param_dtype") != torch.bfloat16):
+        raise ValueError("mixed_precision=True counts bf16 weights and fp32 master state on a replica measured in pure "
+                         "bf16: measure it with measure_step(..., strategy='replica', modify=lambda m: "
+                         "m.to(torch.bfloat16)), not with mixed_precision=True (autocast's weight copies would be "
+                         "counted twice)")
     n = replica["n_trainable"]
     W = world_size
     act = max(replica[p]["activations"] + replica[p]["temporaries"] for p in ("forward", "backward"))
     p, g, o = (2, 2, 12) if mixed_precision else (4, 4, 8)
-    state = {"DDP": p * n + g * n + o * n + 4 * n,          # + the bucket copy
-             "ZeRO-1": p * n + g * n + o * n / W + 4 * n,
+    state = {"DDP": p * n + g * n + o * n + g * n,          # + the bucket copy of the gradients
+             "ZeRO-1": p * n + g * n + o * n / W + g * n,
              "ZeRO-2": p * n + g * n / W + o * n / W}
     return {name: s + act for name, s in state.items()}

@@ -56,6 +56,22 @@ def test_fsdp2_shards_the_state_and_the_replica_keeps_it_whole():
     assert counted["DDP"] > counted["ZeRO-1"] > counted["ZeRO-2"], counted
 
 
+def test_mixed_precision_rows_count_the_bf16_weights_once():
+    """The mixed rows were counted on an autocast replica whose activations held autocast's bf16 weight copies, on
+    top of 2 B/param of bf16 weights: mixed DDP came out above fp32 DDP (21.37 against 20.46 GB at 14 GB)."""
+    import torch
+
+    fp32 = replica_strategies(measure_step(TINY, strategy="replica", seq_len=32), 2)
+    bf16 = measure_step(TINY, strategy="replica", seq_len=32, modify=lambda m: m.to(torch.bfloat16))
+    assert bf16["param_dtype"] == torch.bfloat16 and not bf16["autocast"]
+    mixed = replica_strategies(bf16, 2, mixed_precision=True)
+    for name in ("DDP", "ZeRO-1"):   # 2 + 2 + 12 + a 2 B bucket against 4 + 4 + 8 + a 4 B bucket
+        assert mixed[name] < fp32[name], (name, mixed, fp32)
+    autocast = measure_step(TINY, strategy="replica", seq_len=32, mixed_precision=True)
+    with pytest.raises(ValueError, match="pure bf16"):
+        replica_strategies(autocast, 2, mixed_precision=True)
+
+
 def test_the_fake_world_refuses_a_process_that_already_has_a_group():
     with fake_world(2):
         with pytest.raises(RuntimeError, match="not a %%ddp cell"):
