@@ -91,6 +91,25 @@ class Job:
         ``analyze``, ``dump_table`` and ``odd_one_out`` take the ``Job`` itself)."""
         return dict(sorted(self.flight_recorder.items()))
 
+    def replicas_agree(self):
+        """Whether every rank that finished ended with the same parameters (DDP's promise), or ``None`` when
+        fewer than two finished."""
+        params = list(self.extra.get("params", {}).values())
+        if len(params) < 2:
+            return None
+        return all(p.dtype == params[0].dtype and p.shape == params[0].shape and bool((p == params[0]).all())
+                   for p in params[1:])
+
+    def step_seconds(self):
+        """``{rank: [seconds, ...]}``: how long each step after the first took on each rank that finished (from
+        one "step N done" line to the next; the first step also pays for one-time work, such as the optimizer's
+        first ``step``)."""
+        steps = {}
+        for rank, said in sorted(self.extra.get("said", {}).items()):
+            ends = [t for t, line in said if re.fullmatch(rf"rank {rank}: step \d+ done", line)]
+            steps[rank] = [b - a for a, b in zip(ends, ends[1:])]
+        return steps
+
     def last_words(self, rank):
         """The last line rank ``rank`` printed (its error, if it caught one)."""
         mine = [line for line in self.lines if line.startswith(f"rank {rank}:")]
@@ -203,13 +222,16 @@ def odd_one_out(dumps):
     return None
 
 
-def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy=False, out=None, limit=300):
+def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy=False, out=None, limit=300,
+            steps=None):
     """Run ``torchrun --nproc-per-node nproc -m course_utils.planted_bugs --bug bug`` on loopback and return a
-    ``Job``. ``debug``: ``TORCH_DISTRIBUTED_DEBUG`` (OFF, INFO, DETAIL); ``flight_recorder``: set
-    ``TORCH_FR_BUFFER_SIZE=2000``; ``timeout``: the process group's, in seconds; ``spy``: when every rank has
+    ``Job``. ``debug``: ``TORCH_DISTRIBUTED_DEBUG`` (OFF, INFO, DETAIL); ``flight_recorder``: leave the Flight
+    Recorder on, as torch 2.13 has it by default (every ``TORCH_FR_*`` and ``TORCH_NCCL_*`` variable removed), or
+    switch it off (``TORCH_FR_BUFFER_SIZE=0``); ``timeout``: the process group's, in seconds; ``spy``: when every rank has
     gone quiet for a second, take each rank's Python stack with py-spy, then stop the job (as a person who has
     seen where it hangs would) instead of waiting for its timeout: give it a timeout longer than that takes;
-    ``limit``: seconds before the whole job is killed (it never should be). ``out``: the folder for the Flight
+    ``limit``: seconds before the whole job is killed (it never should be); ``steps``: training steps (the
+    job's own 4 by default: the planted bugs' collective numbers in the lesson assume them). ``out``: the folder for the Flight
     Recorder dumps; by default a temporary one, removed when the job ends (the ``Job`` keeps the dumps).
 
     Introduced in 16_debugging_and_profiling.
@@ -224,19 +246,35 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
     out = Path(tempfile.mkdtemp(prefix=f"fr_{bug}_") if temporary else out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        job = _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit)
+        job = _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit, steps)
     except BaseException:
         if temporary:
             shutil.rmtree(out, ignore_errors=True)
         raise
     job.flight_recorder = _dumps_of(out)
+    job.extra = _finished_ranks(out)
     if temporary:
         shutil.rmtree(out, ignore_errors=True)
         job.out = None
     return job
 
 
-def _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit):
+def _finished_ranks(out):
+    """What each rank that finished its ``train`` left in ``out``: ``{"said": {rank: [(seconds, line), ...]},
+    "params": {rank: tensor}}``."""
+    import json
+
+    import torch
+
+    found = {"said": {}, "params": {}}
+    for path in Path(out).glob("said_[0-9]*"):
+        found["said"][int(path.name.split("_")[1])] = [tuple(x) for x in json.loads(path.read_text())]
+    for path in Path(out).glob("params_[0-9]*"):
+        found["params"][int(path.name.split("_")[1])] = torch.load(path, weights_only=True)
+    return found
+
+
+def _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit, steps):
     for old in out.glob("*"):
         if old.is_file():
             old.unlink()
@@ -244,8 +282,9 @@ def _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit):
     env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
                TORCH_DISTRIBUTED_DEBUG=debug, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                GLOO_SOCKET_IFNAME="lo" if sys.platform.startswith("linux") else env.get("GLOO_SOCKET_IFNAME", "lo0"),
-               TORCH_FR_BUFFER_SIZE="2000" if flight_recorder else "0")
+               **({} if flight_recorder else {"TORCH_FR_BUFFER_SIZE": "0"}))   # on by default: 2000 entries
     script = ["-m", "course_utils.planted_bugs", "--bug", bug, "--timeout", str(timeout), "--out", str(out)]
+    script += [] if steps is None else ["--steps", str(steps)]
     for attempt in range(4):
         port = _free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
@@ -584,6 +623,25 @@ def step_intervals(events, comm="gloo:all_reduce"):
             "comm": [(to_s(a), to_s(b)) for a, b in sorted(comms)]}
 
 
+def describe_detail_cost(plain, detail, collectives_per_step=2, noise=1.2):
+    """The sentence after "Measured here:" for what TORCH_DISTRIBUTED_DEBUG=DETAIL costs lesson 16's healthy job:
+    ``plain`` and ``detail`` are ``{rank: [seconds of each step]}`` (``Job.step_seconds``) of the same job without
+    and with DETAIL. Compares the medians over every rank's steps; a ratio under ``noise`` is called this machine's
+    noise, not a cost (two short jobs at once on a busy machine can swap places)."""
+    import statistics
+
+    p = statistics.median(s for steps in plain.values() for s in steps)
+    d = statistics.median(s for steps in detail.values() for s in steps)
+    head = (f"a healthy step ({collectives_per_step} all-reduces) took {1e3 * p:.1f} ms plain and {1e3 * d:.1f} ms "
+            "with DETAIL (medians over both ranks' steps)")
+    if d >= noise * p:
+        extra = 1e3 * (d - p) / collectives_per_step
+        return (f"{head}: DETAIL made it {d / p:.1f}x slower, about {extra:.1f} ms more per collective for the "
+                "checks it runs before each one.")
+    return (f"{head}: within {noise}x of each other, so this run cannot tell DETAIL's checks from this machine's "
+            "noise (its per-collective cost is a few small messages on loopback; run it again, or alone).")
+
+
 def describe_hidden_fractions(hand, traced, band=0.25):
     """The sentence after "Measured here:" for lesson 16's two measures of overlap: ``hand[r]`` and ``traced[r]``
     are rank r's hidden fractions over the profiled steps, from lesson 07's hand-made timeline (each all-reduce
@@ -612,9 +670,14 @@ def describe_hidden_fractions(hand, traced, band=0.25):
     return "; ".join(parts) + f". {verdict[0].upper()}{verdict[1:]}."
 
 
+COMPUTE_END_LABEL = "backward's last autograd node ends"
+
+
 def plot_trace(events, title="", ax=None, names=("forward", "backward", "optimizer step"), comm="gloo:all_reduce"):
     """Draw one step's trace per thread: the labelled ranges on the thread that ran them, each communication
-    event on the thread that ran it (gloo's worker threads), in milliseconds from the step's start."""
+    event on the thread that ran it (gloo's worker threads), in milliseconds from the step's start, and a dashed
+    line where backward's last autograd node ends (``step_intervals``' compute end): the part of the "backward"
+    bar after it is DDP waiting for the last all-reduces, the exposed tail."""
     import matplotlib.pyplot as plt
 
     step = _named(events, "step")[0]
@@ -631,11 +694,15 @@ def plot_trace(events, title="", ax=None, names=("forward", "backward", "optimiz
         for e in rows[tid]:
             ax.barh(y, e["dur"] / 1e3, left=(e["ts"] - s0) / 1e3, color=colors.get(e["name"], "grey"),
                     edgecolor="black", linewidth=0.3)
+    if _named(events, "backward"):   # where backward's compute ends: the rest of its bar is DDP's wait
+        compute_end = 1e3 * step_intervals(events, comm)["compute"][1]
+        ax.axvline(compute_end, color="black", linestyle="--", linewidth=1, label=COMPUTE_END_LABEL)
     labels = ["main thread" if any(e["name"] in names for e in rows[t]) else "gloo worker" for t in tids]
     ax.set_yticks(range(len(tids)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the step's start")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()] + ax.get_lines()
+    ax.legend(handles, list(colors) + [line.get_label() for line in ax.get_lines()], loc="upper left",
+              bbox_to_anchor=(1.01, 1), fontsize=8)
     ax.set_title(title)
     return ax

@@ -8,16 +8,19 @@ plants one of the classic faults at step 2 (``skip`` at the last step, ``shape``
 - ``skip``:  rank 1 skips the loss all-reduce of the last step (a rank-dependent ``if`` around a collective);
 - ``order``: rank 0 broadcasts an early-stopping flag before the gradient all-reduce, the others after it;
 - ``shape``: rank 1's model has no bias, so its gradient holds one number less;
+- ``dtype``: rank 1 all-reduces its gradient as int32, rank 0 as float32 (the same number of bytes);
 - ``dead``:  rank 1 is killed (SIGKILL, as the kernel's OOM killer does);
 - ``mystery``: the exercise's job (4 ranks): which rank, which collective? Read its Flight Recorder dumps.
 
-Every rank prints one line per step. When a collective fails, the rank prints the error in one line and, if
-the Flight Recorder is on (``TORCH_FR_BUFFER_SIZE`` > 0), writes its buffer to ``<out>/fr_<rank>`` (gloo
-never dumps by itself; NCCL can, see TORCH_NCCL_DUMP_ON_TIMEOUT in the lesson). ``--timeout`` is the process
-group's timeout in seconds: how long a rank waits in a collective before it gives up.
+Every rank prints one line per step. When a collective fails, the rank prints the error in one line and, unless
+the Flight Recorder is off (``fr_buffer_size()`` is 0: it is on by default, 2000 entries), writes its buffer to
+``<out>/fr_<rank>``; a rank that finishes writes it too, with when it said each line (``said_<rank>``, to time
+its steps) and its final parameters (``params_<rank>``). gloo never dumps by itself; NCCL can, see TORCH_NCCL_DUMP_ON_TIMEOUT
+in the lesson. ``--timeout`` is the process group's timeout in seconds: how long a rank waits in a collective
+before it gives up.
 
     torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug skip
-    TORCH_FR_BUFFER_SIZE=2000 torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug skip --out /tmp/fr
+    torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug skip --out /tmp/fr
     python -m torch.distributed.flight_recorder.fr_trace /tmp/fr      # after course_utils.debugging.fix_gloo_dumps
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug shape
 
@@ -25,6 +28,8 @@ Introduced in 16_debugging_and_profiling; the notebook runs it through ``course_
 """
 import argparse
 import datetime
+import io
+import json
 import os
 import signal
 import sys
@@ -34,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-BUGS = ("none", "skip", "order", "shape", "dead", "mystery")
+BUGS = ("none", "skip", "order", "shape", "dtype", "dead", "mystery")
 STEPS = 4
 BUG_STEP = 2
 LR = 0.1
@@ -48,13 +53,17 @@ def _mystery(step, rank, world_size, grads, loss, stop):
     dist.all_reduce(loss)
 
 
+_SAID = []     # (time.perf_counter(), line) of every line said: the lesson times the steps from them
+
+
 def say(text):
     """One line in one write: the ranks share torchrun's pipe, and a line written in two pieces can interleave."""
+    _SAID.append((time.perf_counter(), text))
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
 
-def train(bug):
+def train(bug, steps=STEPS):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     x, y = torch.randn(64, 8), torch.randn(64, 1)
@@ -62,12 +71,14 @@ def train(bug):
     model = torch.nn.Linear(8, 1, bias=not (bug == "shape" and rank == 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     stop = torch.zeros(1)
-    for step in range(STEPS):
+    for step in range(steps):
         loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
         optimizer.zero_grad()
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         log = loss.detach().clone()
+        if bug == "dtype" and step == BUG_STEP and rank == 1:
+            grads = grads.to(torch.int32)                         # 4 bytes a number, as float32: no error
         if bug == "dead" and step == BUG_STEP and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if bug == "mystery":
@@ -78,7 +89,7 @@ def train(bug):
             dist.all_reduce(grads)                                # gradient averaging (lesson 05)
             if bug == "order" and step == BUG_STEP and rank != 0:
                 dist.broadcast(stop, src=0)                       # ... the others listen after the all-reduce
-            if not (bug == "skip" and step == STEPS - 1 and rank == 1):
+            if not (bug == "skip" and step == steps - 1 and rank == 1):
                 dist.all_reduce(log)                              # the loss for the log
         offset = 0
         for p in model.parameters():
@@ -88,17 +99,33 @@ def train(bug):
         say(f"rank {rank}: step {step} done")
     dist.barrier()
     say(f"rank {rank}: finished")
+    return model
+
+
+def fr_buffer_size(environ=None):
+    """The Flight Recorder's size in entries, read as torch 2.13 reads it (``FlightRecorder.hpp``:
+    ``getCvarInt({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000)``): the first name wins over the
+    older second one, and without either it is 2000. 0 (or less) switches the recorder off."""
+    environ = os.environ if environ is None else environ
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        if name in environ:
+            return int(environ[name])
+    return 2000
+
+
+def _write(out, name, data):
+    tmp = os.path.join(out, f".{name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(out, name))                      # whole or absent, never half-written
 
 
 def dump_flight_recorder(out, rank):
-    """Write this rank's Flight Recorder buffer (a pickle, as torch's analyzer reads it) to ``out/fr_<rank>``."""
-    if out is None or int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")) <= 0:
+    """Write this rank's Flight Recorder buffer (a pickle, as torch's analyzer reads it) to ``out/fr_<rank>``,
+    unless the recorder is off (``fr_buffer_size() <= 0``)."""
+    if out is None or fr_buffer_size() <= 0:
         return
-    data = torch._C._distributed_c10d._dump_fr_trace()
-    tmp = os.path.join(out, f".fr_{rank}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, os.path.join(out, f"fr_{rank}"))             # whole or absent, never half-written
+    _write(out, f"fr_{rank}", torch._C._distributed_c10d._dump_fr_trace())
 
 
 def linger(out, rank, seconds):
@@ -137,6 +164,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bug", choices=BUGS, default="none")
     parser.add_argument("--timeout", type=float, default=3.0, help="process-group timeout, seconds")
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps")
     parser.add_argument("--out", default=None, help="folder for the Flight Recorder dumps")
     args = parser.parse_args(argv)
     if args.bug == "shape" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
@@ -152,7 +180,7 @@ def main(argv=None):
     # torchrun stops the other ranks with SIGTERM when one fails: report what this rank saw first, then leave
     signal.signal(signal.SIGTERM, lambda *_: on_sigterm(args.out, rank, args.timeout + 2.0))
     try:
-        train(args.bug)
+        model = train(args.bug, args.steps)
     except Exception as exc:     # a failed collective: say it in one line, dump, and fail
         message = " ".join(str(exc).split())
         say(f"rank {rank}: {type(exc).__name__}: {message}")
@@ -160,6 +188,11 @@ def main(argv=None):
         linger(args.out, rank, 2 * args.timeout)
         os._exit(143 if _STOPPING.is_set() else 1)   # not destroy_process_group: the peers are gone or stuck
     dump_flight_recorder(args.out, rank)
+    if args.out is not None:                                      # for the lesson: time, and the replicas' state
+        _write(args.out, f"said_{rank}", json.dumps(_SAID).encode())
+        buffer = io.BytesIO()
+        torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), buffer)
+        _write(args.out, f"params_{rank}", buffer.getvalue())
     dist.destroy_process_group()
     return 0
 

@@ -5,17 +5,24 @@ job's own reports do not depend on the machine's timing.
     .venv/bin/python -m pytest tests/test_debugging.py -p no:randomly
 
 Each planted bug, plain and with TORCH_DISTRIBUTED_DEBUG=DETAIL, runs in the lesson, under nbval, and the lesson's
-cells assert what this module once ran the same jobs again to check:
-- a hang (skip, order) ends in the 3 s timeout on both ranks, both dump, fr_trace names the collective, its culprit
-  and the job's line: cells `skip = run_job("skip")` (5), `dump_table` (7), `report = analyze(skip)` (9) and
-  `order, order_detail = run_jobs(...)` (17);
-- DETAIL names each rank's collective (skip, order, shape): the `detail_summary().splitlines() == [...]` asserts of
-  cells 11, 17 and 19;
-- a shape mismatch aborts rank 1 (SIGABRT), leaves rank 0's dump only, and fr_trace cannot decide: cell 19;
-- a dead rank is named whichever failure torchrun saw first, and DETAIL's monitored barrier names it: cell 21.
-What those cells cannot show (a healthy run, the analyzer without the fix, the verdict with torchrun's summary in
-either order, a stopped rank's report) is tested here.
+cells assert what this module once ran the same jobs again to check (each bug's asserts sit in the code cell after
+the text that explains its result, so that a prediction is not answered before the learner runs it):
+- a hang (skip, order) ends in the 3 s timeout on both ranks, both dump (the Flight Recorder on by default), fr_trace
+  names the collective, its culprit and the job's line: the cells after `skip = run_job("skip")`, `dump_table`,
+  `report = analyze(skip)` and `order, order_detail = run_jobs(...)`;
+- DETAIL names each rank's collective (skip, order, shape, dtype): the `detail_summary().splitlines() == [...]`
+  asserts;
+- a shape mismatch aborts rank 1 (SIGABRT), leaves rank 0's dump only, and fr_trace cannot decide;
+- a dtype mismatch (float32 against int32) finishes without an error, the replicas differ, fr_trace names
+  COLLECTIVE_DTYPE_MISMATCH from the dumps written at the end, DETAIL names Float against Int;
+- a dead rank is named whichever failure torchrun saw first, and DETAIL's monitored barrier names it;
+- the healthy job, plain and with DETAIL, finishes with equal replicas and 19 timed steps (the cost's verdict is
+  printed under "Measured here:").
+What those cells cannot show (a healthy run's dumps, the analyzer without the fix, the verdict with torchrun's
+summary in either order, a stopped rank's report, the Flight Recorder's default, NCCL's default dump path) is
+tested here.
 """
+import json
 import os
 import pickle
 import subprocess
@@ -27,8 +34,10 @@ import torch
 from conftest import in_ci
 from course_utils import debugging
 from course_utils.checks.debugging import _cases
-from course_utils.debugging import (Job, analyze, clean, describe_hidden_fractions, dump_entries, fix_gloo_dumps,
-                                    gloo_error, run_job, step_intervals)
+from course_utils.debugging import (COMPUTE_END_LABEL, Job, analyze, clean, describe_detail_cost,
+                                    describe_hidden_fractions, dump_entries, fix_gloo_dumps, gloo_error, run_job,
+                                    step_intervals)
+from course_utils.planted_bugs import fr_buffer_size
 
 TIMEOUT = 3.0
 
@@ -46,6 +55,72 @@ def test_a_healthy_run_finishes_and_its_dumps_agree(healthy):
     assert analyze(healthy) == "", "fr_trace reports nothing for a run whose ranks agree"
     ops = [[e["op"] for e in dump_entries(p)] for p in healthy.dumps().values()]
     assert ops[0] == ops[1] and ops[0][-1] == "barrier" and ops[0].count("all_reduce") == 8, ops
+    assert healthy.replicas_agree() is True, "DDP's promise: every rank ends with the same parameters"
+    assert [len(s) for s in healthy.step_seconds().values()] == [3, 3], healthy.step_seconds()
+
+
+_FR_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from course_utils.planted_bugs import fr_buffer_size
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+dist.all_reduce(torch.ones(3))
+dist.barrier()
+entries = json.loads(torch._C._distributed_c10d._dump_fr_trace_json()).get("entries", [])
+print(json.dumps([fr_buffer_size(), [e["profiling_name"] for e in entries]]))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("variables, size", [({}, 2000), ({"TORCH_FR_BUFFER_SIZE": "0"}, 0),
+                                             ({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, 0),
+                                             ({"TORCH_FR_BUFFER_SIZE": "5", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, 5)],
+                         ids=["no variable", "FR=0", "old name=0", "the new name wins"])
+def test_the_flight_recorder_is_on_by_default_and_fr_buffer_size_reads_it_as_torch_does(variables, size):
+    """torch 2.13's FlightRecorder.hpp: getCvarInt({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000).
+    A fresh interpreter with every TORCH_FR_* and TORCH_NCCL_* variable removed (then the case's own), a world of
+    one on gloo: an all-reduce and a barrier are recorded unless the size is 0, and planted_bugs.fr_buffer_size
+    (which decides whether the planted job dumps) reads the same size. Lesson 16 said the recorder was off unless
+    a variable was set: the first case fails on that claim."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    env.update(variables, PYTHONPATH=str(debugging.ROOT))
+    result = subprocess.run([sys.executable, "-c", _FR_SCRIPT, str(debugging._free_port())], env=env,
+                            capture_output=True, text=True, timeout=120, cwd=debugging.ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    read, names = json.loads(result.stdout.strip().splitlines()[-1])
+    assert read == size == fr_buffer_size(variables)
+    assert names == ([] if size == 0 else ["gloo:all_reduce", "gloo:barrier"]), names
+
+
+_WRITER_SCRIPT = """
+import ctypes, os, torch, torch.distributed
+lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+get_writer = lib._ZN4c10d15DebugInfoWriter9getWriterEi          # c10d::DebugInfoWriter::getWriter(int rank)
+get_writer.restype, get_writer.argtypes = ctypes.c_void_p, [ctypes.c_int]
+writer = get_writer(3)
+# the object: its vtable pointer, then filename_ (libstdc++'s std::string: data pointer, then length)
+data, length = ctypes.c_void_p.from_address(writer + 8).value, ctypes.c_size_t.from_address(writer + 16).value
+print(ctypes.string_at(data, length).decode())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads libstdc++'s std::string layout")
+def test_the_default_flight_recorder_dump_path_is_the_users_cache_not_tmp(tmp_path):
+    """Lesson 16's NCCL cell: where NCCL's automatic dump goes by default, asked of this torch build's own
+    c10d::DebugInfoWriter::getWriter (FlightRecorder.cpp, compiled into libtorch_cpu in 2.13): $XDG_CACHE_HOME/torch,
+    else $HOME/.cache/torch, else /tmp/.cache/torch, then comm_lib_trace_rank_<rank>; TORCH_FR_DUMP_TEMP_FILE
+    replaces the prefix. Not /tmp/nccl_trace_rank_<rank>, the default of older releases."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("HOME", "XDG_CACHE_HOME") and not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    cases = [({"HOME": str(home)}, f"{home}/.cache/torch/comm_lib_trace_rank_3"),
+             ({"HOME": str(home), "XDG_CACHE_HOME": str(cache)}, f"{cache}/torch/comm_lib_trace_rank_3"),
+             ({}, "/tmp/.cache/torch/comm_lib_trace_rank_3"),
+             ({"HOME": str(home), "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/fr_"}, f"{tmp_path}/fr_3")]
+    for variables, want in cases:
+        result = subprocess.run([sys.executable, "-c", _WRITER_SCRIPT], env={**base, **variables},
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == want, (variables, result.stdout)
 
 
 def test_torch_2_13s_analyzer_needs_the_gloo_dump_fix(healthy, tmp_path):
@@ -222,6 +297,19 @@ def test_plot_trace_draws_one_row_per_thread():
     matplotlib.use("Agg")
     ax = debugging.plot_trace(_cases()[0][1], "test")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["main thread", "gloo worker", "gloo worker"]
+    marker, = ax.get_lines()         # backward's last autograd node ends at 60 ms; the "backward" range at 70
+    assert marker.get_label() == COMPUTE_END_LABEL and list(marker.get_xdata()) == [60.0, 60.0]
+    assert COMPUTE_END_LABEL in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_details_cost_is_a_verdict_that_follows_the_numbers():
+    """Lesson 16 prints it under "Measured here:". Two short jobs at once on 2 busy cores once read DETAIL's steps
+    as fast as the plain ones (7.0 against 9.9 ms): within the noise band that is no verdict on DETAIL's cost."""
+    slower = describe_detail_cost({0: [0.008, 0.008, 0.009], 1: [0.008]}, {0: [0.016, 0.015], 1: [0.016, 0.5]})
+    assert "8.0 ms plain and 16.0 ms with DETAIL" in slower and "2.0x slower, about 4.0 ms more per collective" in slower
+    noise = describe_detail_cost({0: [0.0099], 1: [0.0099]}, {0: [0.0070], 1: [0.0070]})
+    assert "cannot tell" in noise and "slower" not in noise
+    assert "\n" not in slower + noise   # one line: the sanitiser replaces the line after "Measured here:"
 
 
 def test_the_profilers_banner_is_dropped_and_other_stderr_kept(capfd):
