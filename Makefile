@@ -26,7 +26,7 @@ NOTEBOOKS ?=
 # torch.backends.cpu.get_cpu_capability() == "DEFAULT", MKL_VERBOSE "SSE4.2", oneDNN "isa:Intel SSE4.1".
 BASELINE_CPU := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 
-.PHONY: lab test test-baseline-cpu test-gpu notebooks bench clean
+.PHONY: lab test test-baseline-cpu test-gpu notebooks bench clean site
 
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV): $(TORCH_PIN) from $(or $(TORCH_INDEX_URL),PyPI) and the course's packages, a few minutes the first time"
@@ -74,6 +74,16 @@ test-gpu: $(STAMP)
 
 notebooks: $(STAMP)  # re-execute every notebook in place (stored outputs)
 	$(BIN)/python scripts/execute_notebooks.py
+
+# The course as a static site: every lesson with its stored outputs (never executed), README as the home page,
+# CONTRIBUTING, a launch link per lesson (docs/conf.py says how). Warnings are errors and every link must resolve.
+# SITE (git-ignored docs/_build/html by default) is what .github/workflows/pages.yml publishes; about 20 s on
+# 2 cores. tests/test_site.py runs this target into a temporary folder.
+SITE ?= docs/_build/html
+SITE_DOCTREES ?= $(dir $(patsubst %/,%,$(SITE)))doctrees
+site: $(STAMP)
+	$(BIN)/python -m sphinx -b html -W --keep-going -n -q -c docs -d $(SITE_DOCTREES) . $(SITE)
+	@echo "The site is in $(SITE)/: open $(SITE)/index.html"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py

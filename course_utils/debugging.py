@@ -227,12 +227,12 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
     """Run ``torchrun --nproc-per-node nproc -m course_utils.planted_bugs --bug bug`` on loopback and return a
     ``Job``. ``debug``: ``TORCH_DISTRIBUTED_DEBUG`` (OFF, INFO, DETAIL); ``flight_recorder``: leave the Flight
     Recorder on, as torch 2.13 has it by default (every ``TORCH_FR_*`` and ``TORCH_NCCL_*`` variable removed), or
-    switch it off (``TORCH_FR_BUFFER_SIZE=0``); ``timeout``: the process group's, in seconds; ``spy``: when every rank has
-    gone quiet for a second, take each rank's Python stack with py-spy, then stop the job (as a person who has
-    seen where it hangs would) instead of waiting for its timeout: give it a timeout longer than that takes;
-    ``limit``: seconds before the whole job is killed (it never should be); ``steps``: training steps (the
-    job's own 4 by default: the planted bugs' collective numbers in the lesson assume them). ``out``: the folder for the Flight
-    Recorder dumps; by default a temporary one, removed when the job ends (the ``Job`` keeps the dumps).
+    switch it off (``TORCH_FR_BUFFER_SIZE=0``); ``timeout``: the process group's, in seconds; ``spy``: when every
+    rank has gone quiet for a second, take each rank's Python stack with py-spy, then stop the job (as a person who
+    has seen where it hangs would) instead of waiting for its timeout: give it a timeout longer than that takes;
+    ``limit``: seconds before the whole job is killed (it never should be); ``steps``: training steps (the job's
+    own 4 by default: the planted bugs' collective numbers in the lesson assume them). ``out``: the folder for the
+    Flight Recorder dumps; by default a temporary one, removed when the job ends (the ``Job`` keeps the dumps).
 
     Introduced in 16_debugging_and_profiling.
     """

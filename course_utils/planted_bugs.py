@@ -14,10 +14,10 @@ plants one of the classic faults at step 2 (``skip`` at the last step, ``shape``
 
 Every rank prints one line per step. When a collective fails, the rank prints the error in one line and, unless
 the Flight Recorder is off (``fr_buffer_size()`` is 0: it is on by default, 2000 entries), writes its buffer to
-``<out>/fr_<rank>``; a rank that finishes writes it too, with when it said each line (``said_<rank>``, to time
-its steps) and its final parameters (``params_<rank>``). gloo never dumps by itself; NCCL can, see TORCH_NCCL_DUMP_ON_TIMEOUT
-in the lesson. ``--timeout`` is the process group's timeout in seconds: how long a rank waits in a collective
-before it gives up.
+``<out>/fr_<rank>``; a rank that finishes writes it too, with when it said each line (``said_<rank>``, to time its
+steps) and its final parameters (``params_<rank>``). gloo never dumps by itself; NCCL can, see
+TORCH_NCCL_DUMP_ON_TIMEOUT in the lesson. ``--timeout`` is the process group's timeout in seconds: how long a
+rank waits in a collective before it gives up.
 
     torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug skip
     torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug skip --out /tmp/fr

@@ -17,13 +17,58 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def kernelspec() -> dict:
+    """The python3 kernel's own spec, as JupyterLab stores it in a notebook it saves."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    return {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
+
+
+def machine_paths():
+    """This machine's absolute folders a traceback or a warning prints, each with what the stored output says
+    instead: installed packages as .../site-packages/, the standard library as .../lib/pythonX.Y/, the repository
+    as a relative path. The stored outputs are published (the site, a code host's viewer); nbval compares no
+    traceback, and a warning's path is printed relative where a lesson prints one."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return [(paths["purelib"].rstrip("/") + "/", ".../site-packages/"),
+            (paths["platlib"].rstrip("/") + "/", ".../site-packages/"),
+            (paths["stdlib"].rstrip("/") + "/", f".../lib/{version}/"),
+            (str(ROOT) + "/", "")]
+
+
+def sanitise(nb) -> None:
+    """Replace this machine's folders (machine_paths) in every stored output's text."""
+    pairs = machine_paths()
+
+    def clean(text):
+        for old, new in pairs:
+            text = text.replace(old, new)
+        return text
+
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if "text" in out:
+                out["text"] = clean(out["text"])
+            if "traceback" in out:
+                out["traceback"] = [clean(line) for line in out["traceback"]]
+            for mime, value in out.get("data", {}).items():
+                if mime.startswith("text/") and isinstance(value, str):
+                    out["data"][mime] = clean(value)
+
+
 def execute(path: Path) -> float:
     nb = nbformat.read(path, as_version=4)
     t0 = time.monotonic()
     client = nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()
+    sanitise(nb)  # no stored output publishes this machine's folders (tests/test_site.py checks)
     nb.metadata.pop("widgets", None)  # widget state cannot be checked by nbval: never store it
+    nb.metadata.kernelspec = kernelspec()  # what JupyterLab writes: otherwise an untouched lesson opens "unsaved"
     nbformat.write(nb, path)
     return time.monotonic() - t0
 

@@ -10,6 +10,9 @@ scripts/learner_copy.py exactly as `make lab` makes it (outputs cleared), so the
 learner does, sees no stored output, and running cells never modifies the repository.
 Screenshots and a timing log go to a temporary directory (printed in the log of the test's setup), or to
 $BROWSER_ARTIFACTS when set (test-artifacts/ is git-ignored for that: BROWSER_ARTIFACTS=test-artifacts/browser).
+
+The course's static site (`make site`) is checked in Chromium by tests/test_site.py, with the same Chromium and
+arguments (browser_helpers): there one build serves its page checks and its browser checks.
 """
 import json
 import os

@@ -69,6 +69,16 @@ def test_executed_in_order_from_a_fresh_kernel(path):
     assert not empty, f"{path.name}: empty code cells {empty} carry a count or outputs from another run"
 
 
+def _kernelspec():
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    return {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
+
+
+KERNELSPEC = _kernelspec()
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=_id)
 def test_outputs_are_checkable_by_nbval(path):
     nb = _load(path)
@@ -77,6 +87,11 @@ def test_outputs_are_checkable_by_nbval(path):
         "scripts/execute_notebooks.py and the nbstripout pre-commit hook drop it")
     assert nb.get("metadata", {}).get("kernelspec", {}).get("name") == "python3", (
         f"{path.name}: kernelspec must be python3 (the venv's kernel), not {nb.get('metadata', {}).get('kernelspec')}")
+    # JupyterLab rewrites a kernelspec that differs from the kernel's own, so an untouched lesson opened as
+    # "unsaved" and asked to be saved on closing ("Python 3" against ipykernel's "Python 3 (ipykernel)").
+    assert nb["metadata"]["kernelspec"] == KERNELSPEC, (
+        f"{path.name}: stored kernelspec {nb['metadata']['kernelspec']}, the venv's kernel writes {KERNELSPEC}: "
+        "re-execute with scripts/execute_notebooks.py, which stores the kernel's own")
     for i, cell in _code(nb):
         for out in cell.get("outputs", []):
             data = out.get("data", {})
