@@ -1,0 +1,681 @@
+"""Will it fit on my cards? The reader's own model and cards, one training step measured at true size.
+
+Introduced for 15_fine_tuning_small_cards's FAQ (scripts/will_it_fit.py is its command line). Lessons 13 and 15
+measure the article's examples with ``course_utils.true_size``; ``will_it_fit`` does the same for any Llama-family
+decoder (Llama 2/3, Mistral, Qwen2/2.5: a named shape, a ``config.json`` or a hub name) on the cards the reader
+names, and picks a plan::
+
+    plan = will_it_fit("llama-2-7b", "2x24GiB", method="lora")
+    print(plan.report())
+
+How each row is found (the ``how`` column says which):
+
+- **measured**: one AdamW step with fake tensors on a fake world of W ranks (``true_size.measure_step``): FSDP2 rows
+  at the true depth, one measurement per world size and checkpoint setting.
+- **measured (blocks 2, 3)**: a replica (one whole model per rank, DDP's) measured at 2 and 3 decoder blocks and
+  extended to the true depth. Every block is the same, and a replica's peak in each phase, by kind, grows by the
+  same bytes per block: tests/test_will_it_fit.py checks the extension against a measurement at the true depth,
+  to the byte. (FSDP2's peak moment changes with the depth at small depths, so it is measured whole.)
+- **+ bucket**: DDP's copy of the gradients (``gradient_as_bucket_view=False``), allocated in C++ where no tensor
+  meter sees it, counted at the gradients' dtype, from the measured parameter count.
+- **counted on a measured replica**: ZeRO-1 and ZeRO-2, and every mixed-precision replica row, from
+  ``true_size.replica_strategies`` (the ZeRO paper's 2 + 2 + 12 bytes on a replica measured in pure bf16).
+- **counted: needs a GPU**: QLoRA's 4-bit base (NF4 with double quantisation, 4.127 bits per weight), counted from
+  the bf16-base LoRA row as lesson 15 counts it: bitsandbytes has no CPU kernels to measure.
+
+A row fits when its peak is at most ``USABLE`` (85%) of the card: the rest is for what no tensor meter sees (CUDA
+context, the allocator's cache and fragmentation, NCCL's buffers), as lessons 13 and 15 keep it. The cheapest plan
+is the first row that fits in this order: no activation checkpointing before checkpointing (a third more compute),
+then DDP, ZeRO-1, ZeRO-2, FSDP2 (more communication each). Pure bf16 (bf16 weights and AdamW moments, no fp32
+master) is shown, never chosen: it is a different training.
+"""
+import dataclasses
+import functools
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from course_utils.true_size import (ARTICLE_14GB, GiB, LLAMA2_7B, MISTRAL_7B, LlamaShape, measure_step,
+                                    replica_strategies)
+
+__all__ = ["MODELS", "CARDS", "USABLE", "SUPPORTED", "resolve_model", "shape_from_config", "parse_cards",
+           "will_it_fit", "Plan", "Row", "measure_replica", "tiny_like", "check_plan", "WillItFitError"]
+
+USABLE = 0.85
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+NF4_BITS = 4.127               # NF4 + double quantisation (Dettmers et al. 2023), as lesson 15 counts it
+
+# Published shapes (each config.json on the hub) and the hub name scripts/finetune_lora.py loads them from.
+LLAMA3_8B = LlamaShape("Llama-3-8B", vocab_size=128256, d_model=4096, n_layer=32, d_ff=14336, n_head=32, n_kv_head=8)
+QWEN25_05B = LlamaShape("Qwen2.5-0.5B", vocab_size=151936, d_model=896, n_layer=24, d_ff=4864, n_head=14, n_kv_head=2,
+                        qkv_bias=True, tie_embeddings=True)
+QWEN25_15B = LlamaShape("Qwen2.5-1.5B", vocab_size=151936, d_model=1536, n_layer=28, d_ff=8960, n_head=12,
+                        n_kv_head=2, qkv_bias=True, tie_embeddings=True)
+QWEN25_7B = LlamaShape("Qwen2.5-7B", vocab_size=152064, d_model=3584, n_layer=28, d_ff=18944, n_head=28, n_kv_head=4,
+                       qkv_bias=True)
+MODELS = {
+    "llama-2-7b": (LLAMA2_7B, "meta-llama/Llama-2-7b-hf"),
+    "llama-3-8b": (LLAMA3_8B, "meta-llama/Meta-Llama-3-8B"),
+    "mistral-7b": (MISTRAL_7B, "mistralai/Mistral-7B-v0.1"),
+    "qwen2.5-0.5b": (QWEN25_05B, "Qwen/Qwen2.5-0.5B"),
+    "qwen2.5-1.5b": (QWEN25_15B, "Qwen/Qwen2.5-1.5B"),
+    "qwen2.5-7b": (QWEN25_7B, "Qwen/Qwen2.5-7B"),
+    "article-14gb": (ARTICLE_14GB, None),          # the article's model: a shape, no published weights
+}
+# A card sold as "N GB" has N GiB (nvidia-smi: N x 1024 MiB).
+CARDS = {"T4": 16, "RTX 3090": 24, "RTX 4090": 24, "A10": 24, "A10G": 24, "L4": 24, "A100-40": 40, "A100-80": 80,
+         "H100": 80, "H200": 141}
+STRATEGY_ORDER = ("DDP", "ZeRO-1", "ZeRO-2", "FSDP2")
+
+
+class WillItFitError(ValueError):
+    """Bad input: the message says what was wrong and what to give instead."""
+
+
+# -- the model ----------------------------------------------------------------------------------------------------
+def _key(name):
+    return re.sub(r"[\s_]+", "-", name.strip().lower())
+
+
+def shape_from_config(config, name="config.json"):
+    """A ``LlamaShape`` from a transformers ``config.json`` (a dict) of a Llama, Mistral or Qwen2 decoder."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                   "qwen2": "Qwen2ForCausalLM"}.get(config.get("model_type"))
+    if arch not in SUPPORTED:
+        raise WillItFitError(f"{name}: architecture {arch or config.get('model_type')!r} is not one the meter "
+                             f"builds; supported: {', '.join(SUPPORTED)}")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise WillItFitError(f"{name}: attention_bias/mlp_bias are set; the meter builds the published Llama, "
+                             f"Mistral and Qwen2 layers ({', '.join(SUPPORTED)}) without them")
+    try:
+        d, heads = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim")
+        return LlamaShape(Path(str(name)).parent.name or str(name) if str(name).endswith(".json") else str(name),
+                          vocab_size=config["vocab_size"], d_model=d, n_layer=config["num_hidden_layers"],
+                          d_ff=config["intermediate_size"], n_head=heads,
+                          n_kv_head=config.get("num_key_value_heads") or heads,
+                          qkv_bias=arch == "Qwen2ForCausalLM",
+                          tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                          head_dim=head_dim if head_dim and head_dim != d // heads else None)
+    except KeyError as exc:
+        raise WillItFitError(f"{name}: config.json has no {exc.args[0]!r}: is it a decoder's config?") from None
+
+
+def _hub_config(repo_id):
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise WillItFitError(f"{repo_id!r}: not a known name or a local file, and huggingface_hub is not installed "
+                             "to fetch its config.json: download config.json and pass its path") from None
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except Exception as exc:   # offline, gated, unknown repository: all end the same way for the reader
+        raise WillItFitError(f"could not fetch config.json of {repo_id!r} from the hub ({type(exc).__name__}): "
+                             "check the name and the network (gated models need `huggingface-cli login`), or "
+                             "download config.json and pass its path") from None
+
+
+def resolve_model(name):
+    """``(LlamaShape, what --model of scripts/finetune_lora.py loads or None)`` for a known name (``MODELS``, or
+    the hub name of one: no download), a local ``config.json`` (or a folder holding one), or a hub name (its
+    config.json only, fetched by huggingface_hub)."""
+    key = _key(name)
+    for known, (shape, hub) in MODELS.items():
+        if key in (known, known.replace("-", "", 1)) or (hub and key == hub.lower()):
+            return shape, hub
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        return shape_from_config(config, str(path)), str(path.parent)
+    if "/" in name and not path.suffix and len(name.split("/")) == 2:
+        config_path = _hub_config(name)
+        return shape_from_config(json.loads(config_path.read_text()), name), name
+    raise WillItFitError(f"unknown model {name!r}: give one of {', '.join(MODELS)}, a config.json of a "
+                         f"{'/'.join(SUPPORTED)}, or a hub name such as Qwen/Qwen2.5-3B")
+
+
+# -- the cards ----------------------------------------------------------------------------------------------------
+def _card_key(name):
+    key = re.sub(r"[^a-z0-9]", "", name.lower().replace("nvidia", "").replace("geforce", ""))
+    return re.sub(r"gb$", "", key) if re.search(r"\d{2}gb$", key) else key
+
+
+def parse_cards(text):
+    """``(count, GiB per card, label)`` from ``"2x16GiB"``, ``"2x16"``, ``"8xA100-80"``, ``"RTX 4090"``, ..."""
+    m = re.fullmatch(r"\s*(?:(\d+)\s*[x×*]\s*)?(.+?)\s*", text)
+    count = int(m.group(1) or 1) if m else 1
+    rest = m.group(2) if m else text
+    if count < 1:
+        raise WillItFitError(f"--cards {text!r}: at least one card")
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:gib|gb|g)?", rest.strip().lower())
+    if size:
+        gib = float(size.group(1))
+        return count, gib, f"{count} x {gib:g} GiB"
+    by_key = {_card_key(n): n for n in CARDS}
+    by_key.update({"3090": "RTX 3090", "4090": "RTX 4090"})
+    key = _card_key(rest)
+    if key == "a100":
+        raise WillItFitError(f"--cards {text!r}: the A100 comes with 40 and 80 GiB: write A100-40 or A100-80")
+    if key not in by_key:
+        known = ", ".join(f"{n} ({g} GiB)" for n, g in CARDS.items())
+        raise WillItFitError(f"--cards {text!r}: unknown card {rest!r}. Known cards: {known}; or give the memory, "
+                             "as in 2x16GiB")
+    card = by_key[key]
+    return count, float(CARDS[card]), f"{count} x {card} ({CARDS[card]} GiB)"
+
+
+# -- measuring ----------------------------------------------------------------------------------------------------
+def _to_bf16(model):
+    model.to(torch.bfloat16)
+
+
+def _lora(model, targets, r, base_dtype):
+    from course_utils.lora import add_lora
+
+    model.to(base_dtype)
+    add_lora(model, targets=targets, r=r, alpha=2 * r)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()         # adapters and their AdamW state in fp32, as scripts/finetune_lora.py
+
+
+KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "comm_buffers", "total")
+DEPTHS = (2, 3)
+
+
+def measure_replica(shape, **kw):
+    """``measure_step(shape, strategy="replica", **kw)``, measured at 2 and 3 blocks and extended to
+    ``shape.n_layer`` (each kind of each phase grows by the same bytes per block; see the module docstring)."""
+    if shape.n_layer <= DEPTHS[-1]:
+        return dict(measure_step(shape, strategy="replica", **kw), how="measured")
+    t0 = time.perf_counter()
+    a, b = (measure_step(dataclasses.replace(shape, n_layer=L), strategy="replica", **kw) for L in DEPTHS)
+    extra = shape.n_layer - DEPTHS[0]
+    out = {phase: {k: a[phase][k] + extra * (b[phase][k] - a[phase][k]) for k in KINDS}
+           for phase in ("forward", "backward", "step")}
+    out.update(n_params=shape.n_params, n_trainable=a["n_trainable"] + extra * (b["n_trainable"] - a["n_trainable"]),
+               param_dtype=a["param_dtype"], autocast=a["autocast"], seconds=time.perf_counter() - t0,
+               how=f"measured (blocks {DEPTHS[0]}, {DEPTHS[1]})")
+    return out
+
+
+def _job(kind, shape, kw):
+    torch.set_num_threads(1)
+    if kind == "replica":
+        return measure_replica(shape, **kw)
+    return dict(measure_step(shape, strategy="fsdp2", **kw), how="measured")
+
+
+def _run_jobs(jobs, workers, say):
+    """Run ``{name: (kind, shape, kwargs)}``, in ``workers`` processes when more than one; returns ``{name: result}``.
+    ``say(done, total, name)`` reports progress."""
+    from course_utils import progress
+
+    out, names = {}, list(jobs)
+    if workers <= 1 or len(jobs) <= 1:
+        for i, name in enumerate(progress(names, desc="fake-tensor steps")):
+            say(i, len(names), name)
+            out[name] = _job(*jobs[name])
+        say(len(names), len(names), None)
+        return out
+    import concurrent.futures as cf
+    import multiprocessing
+
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        futures = {pool.submit(_job, *jobs[name]): name for name in names}
+        say(0, len(names), ", ".join(names[:workers]))
+        for i, fut in enumerate(progress(cf.as_completed(futures), total=len(names), desc="fake-tensor steps")):
+            out[futures[fut]] = fut.result()
+            running = [n for f, n in futures.items() if not f.done()][:workers]
+            say(i + 1, len(names), ", ".join(running) or None)
+    return out
+
+
+# -- rows and plans -----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Row:
+    method: str            # "full", "lora", "qlora"
+    precision: str         # "mixed", "fp32", "pure bf16", "bf16 base", "fp32 base", "4-bit base"
+    strategy: str          # "DDP", "ZeRO-1", "ZeRO-2", "FSDP2"
+    checkpoint: bool
+    world_size: int
+    phases: dict           # {"forward": bytes, "backward": ..., "step": ...}, or None when counted as a whole
+    peak: float
+    how: str
+    same_training: bool = True
+
+    def fits(self, card_bytes):
+        return self.peak <= USABLE * card_bytes
+
+    def verdict(self, card_bytes):
+        if self.fits(card_bytes):
+            return "fits" if self.same_training else "fits (a different training)"
+        return "no: inside the card, not the margin" if self.peak <= card_bytes else "no: over the card"
+
+    @property
+    def label(self):
+        return f"{self.strategy}{' + ckpt' if self.checkpoint else ''}"
+
+
+def _cost(row):
+    return (row.checkpoint, STRATEGY_ORDER.index(row.strategy))
+
+
+def _precisions(method, precision):
+    if method == "full":
+        return {"mixed": "mixed", "fp32": "fp32"}[precision]
+    return {"mixed": "bf16 base", "fp32": "fp32 base"}[precision]
+
+
+def _jobs(shape, method, W, seq_len, micro_batch, lora_r, targets, precision, checkpoints=(False, True),
+          replicas=True):
+    common = dict(seq_len=seq_len, micro_batch_size=micro_batch)
+    jobs = {}
+    for ckpt in checkpoints:
+        c = " + ckpt" if ckpt else ""
+        if method == "full":
+            if replicas:
+                modify = _to_bf16 if precision == "mixed" else None
+                jobs[f"replica{c}"] = ("replica", shape, dict(common, checkpoint=ckpt, modify=modify))
+            if W > 1:
+                jobs[f"FSDP2 W={W}{c}"] = ("fsdp2", shape, dict(common, world_size=W, checkpoint=ckpt,
+                                                               mixed_precision=precision == "mixed"))
+        else:
+            base = torch.bfloat16 if precision == "mixed" else torch.float32
+            modify = functools.partial(_lora, targets=tuple(targets), r=lora_r, base_dtype=base)
+            if replicas:
+                jobs[f"replica{c}"] = ("replica", shape, dict(common, checkpoint=ckpt, modify=modify))
+            if W > 1:
+                jobs[f"FSDP2 W={W}{c}"] = ("fsdp2", shape, dict(common, world_size=W, checkpoint=ckpt,
+                                                               modify=modify, mixed_precision=precision == "mixed"))
+    return jobs
+
+
+def _phases(r, extra=0):
+    return {p: r[p]["total"] + extra for p in ("forward", "backward", "step")}
+
+
+def _rows(shape, method, W, results, precision):
+    rows = []
+    for ckpt in (False, True):
+        c = " + ckpt" if ckpt else ""
+        rep = results.get(f"replica{c}")
+        fsdp = results.get(f"FSDP2 W={W}{c}")
+        if method == "full":
+            if rep is not None:
+                mixed = precision == "mixed"
+                prec = "mixed" if mixed else "fp32"
+                counted = replica_strategies(rep, W, mixed_precision=mixed)
+                for name in (("DDP", "ZeRO-1", "ZeRO-2") if W > 1 else ("DDP",)):
+                    peak = counted[name]
+                    if W == 1:      # one card: nothing to all-reduce, no DDP bucket
+                        peak -= (2 if mixed else 4) * rep["n_trainable"]
+                    rows.append(Row("full", prec, name, ckpt, W, None, peak, "counted on a measured replica"))
+                if mixed:           # the bf16 replica itself: pure bf16, a different training
+                    bucket = 2 * rep["n_trainable"] if W > 1 else 0
+                    ph = _phases(rep, bucket)
+                    rows.append(Row("full", "pure bf16", "DDP", ckpt, W, ph, max(ph.values()),
+                                    rep["how"] + (" + bucket" if bucket else ""), same_training=False))
+            if fsdp is not None:
+                ph = _phases(fsdp)
+                rows.append(Row("full", "mixed" if precision == "mixed" else "fp32", "FSDP2", ckpt, W, ph,
+                                max(ph.values()), "measured"))
+        else:
+            prec = _precisions("lora", precision)
+            if rep is not None:
+                bucket = 4 * rep["n_trainable"] if W > 1 else 0        # fp32 adapters' gradients
+                ph = _phases(rep, bucket)
+                rows.append(Row("lora", prec, "DDP", ckpt, W, ph, max(ph.values()),
+                                rep["how"] + (" + bucket" if bucket else "")))
+                if method == "qlora":
+                    layer_linears = shape.n_params - (1 if shape.tie_embeddings else 2) * shape.vocab_size * \
+                        shape.d_model - (2 * shape.n_layer + 1) * shape.d_model
+                    if shape.qkv_bias:
+                        layer_linears -= shape.n_layer * (shape.n_head + 2 * shape.n_kv_head) * shape.dims_per_head
+                    saved = layer_linears * ((2 if precision == "mixed" else 4) - NF4_BITS / 8)
+                    ph4 = {p: b - saved for p, b in ph.items()}
+                    rows.append(Row("qlora", "4-bit base", "DDP", ckpt, W, ph4, max(ph4.values()),
+                                    "counted: needs a GPU"))
+            if fsdp is not None:
+                ph = _phases(fsdp)
+                rows.append(Row("lora", prec, "FSDP2", ckpt, W, ph, max(ph.values()), "measured"))
+    return rows
+
+
+@dataclasses.dataclass
+class Plan:
+    model: str
+    shape: LlamaShape
+    source: str
+    method: str
+    cards: int
+    card_gib: float
+    card_label: str
+    seq_len: int
+    micro_batch: int
+    lora_r: int
+    targets: tuple
+    precision: str
+    rows: list
+    chosen: Row = None
+    smallest: Row = None     # when nothing fits on ``cards``: the plan on the fewest cards that fits
+    seconds: float = 0.0
+    results: dict = None     # the measurements the rows were made from, by job name
+
+    @property
+    def card_bytes(self):
+        return self.card_gib * GiB
+
+    def command(self, row=None):
+        """The command line that runs ``row`` (default: the chosen plan), and a note on what it runs."""
+        row = row or self.chosen or self.smallest
+        if row is None:
+            return None, "nothing fits: no command"
+        W = row.world_size
+        if row.method == "qlora":
+            return None, ("no script of the course loads a 4-bit base (bitsandbytes needs a GPU): peft's "
+                          "prepare_model_for_kbit_training over a BitsAndBytesConfig(load_in_4bit=True) model, "
+                          f"LoRA r = {self.lora_r} on {','.join(self.targets)}, one card per rank with DDP")
+        if row.method == "lora":
+            model = self.source or "PATH/TO/YOUR/CHECKPOINT"
+            words = ["torchrun", "--standalone", f"--nproc-per-node={W}", "scripts/finetune_lora.py",
+                     "--model", model, "--strategy", "fsdp" if row.strategy == "FSDP2" else "ddp"]
+            if self.precision == "mixed":
+                words.append("--bf16")
+            words += ["--lora-r", str(self.lora_r), "--targets", ",".join(self.targets),
+                      "--block-size", str(self.seq_len), "--global-batch-size", str(self.micro_batch * W)]
+            if row.checkpoint:
+                words.append("--checkpointing")
+            note = ("one micro-batch of --global-batch-size / W sequences per rank and step, as measured"
+                    + ("" if self.source else "; the article's model has no published weights: point --model at "
+                       "a checkpoint of that shape"))
+            return " ".join(words), note
+        words = ["torchrun", "--standalone", f"--nproc-per-node={W}", "scripts/train_micro_ddp.py",
+                 "--micro-batch-size", str(self.micro_batch), "--global-batch-size", str(self.micro_batch * W)]
+        if self.precision == "mixed":
+            words.append("--bf16")
+        how = {"DDP": "the same data-parallel step (MicroDDP, lesson 11)",
+               "ZeRO-1": "DDP's step; for ZeRO-1 wrap AdamW in course_utils.zero.ShardedOptimizer (lesson 12)",
+               "ZeRO-2": "DDP's step; for ZeRO-2 use course_utils.zero.ShardedOptimizer(reduce_scatter=True) "
+                         "without DDP (lesson 12)",
+               "FSDP2": "DDP's step; for FSDP2 fully_shard each decoder block, then the root, with "
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (lesson 13)"}[row.strategy]
+        ck = "; activation checkpointing per block (torch.utils.checkpoint)" if row.checkpoint else ""
+        return " ".join(words), (f"lesson 11's script trains the course's GPT, not {self.shape.name}: it runs {how}"
+                                 f"{ck}; put your model and data where it builds make_gpt and get_batch")
+
+    def report(self):
+        s, gib = self.shape, GiB
+        card = self.card_bytes
+        what = {"full": "full fine-tuning, AdamW", "lora": f"LoRA r = {self.lora_r} on {','.join(self.targets)}",
+                "qlora": f"QLoRA (4-bit base), LoRA r = {self.lora_r} on {','.join(self.targets)}"}[self.method]
+        lines = [f"{s.name}: {s.n_params:,} parameters; {what}; micro-batch {self.micro_batch} x {self.seq_len} "
+                 f"tokens per card",
+                 f"cards: {self.card_label}; a row fits when its peak is at most {USABLE:.0%} of a card "
+                 f"({USABLE * self.card_gib:.2f} GiB)",
+                 "",
+                 f"{'precision':11}{'strategy':15}{'W':>3}{'forward':>9}{'backward':>9}{'step':>9}{'peak':>8}"
+                 f"{'headroom':>10}  {'verdict':38}how (GiB per card)"]
+        for row in self.rows:
+            if row.phases is None:
+                ph = "".join(f"{'counted':>9}" for _ in range(3))
+            else:
+                ph = "".join(f"{row.phases[p] / gib:9.2f}" for p in ("forward", "backward", "step"))
+            lines.append(f"{row.precision:11}{row.label:15}{row.world_size:3}{ph}{row.peak / gib:8.2f}"
+                         f"{(USABLE * card - row.peak) / gib:+10.2f}  {row.verdict(card):38}{row.how}")
+        lines.append("")
+        if self.chosen is not None:
+            r = self.chosen
+            lines.append(f"Plan: {r.precision} {r.label} on {r.world_size} card{'s' if r.world_size > 1 else ''}: "
+                         f"{r.peak / gib:.2f} GiB per card, {(USABLE * card - r.peak) / gib:.2f} GiB under "
+                         f"{USABLE:.0%} of the card ({r.how}).")
+        else:
+            lines.append(f"Nothing that trains the same model fits {self.card_label} with the {USABLE:.0%} margin.")
+            if self.smallest is not None:
+                r = self.smallest
+                lines.append(f"Smallest card count that fits: {r.world_size} cards of {self.card_gib:g} GiB, with "
+                             f"{r.precision} {r.label}: {r.peak / gib:.2f} GiB per card ({r.how}).")
+            else:
+                lines.append("No card count fits: one micro-batch's activations alone exceed the margin; lower "
+                             "--seq-len or --micro-batch, or use larger cards.")
+        cmd, note = self.command()
+        if cmd:
+            lines += ["Run it with:", "    " + cmd, f"  ({note})"]
+        elif self.chosen is not None or self.smallest is not None:
+            lines.append(f"  ({note})")
+        lines.append(f"Measured in {self.seconds:.1f} s.")
+        return "\n".join(lines)
+
+
+def _pick(rows, card_bytes):
+    fitting = [r for r in rows if r.same_training and r.fits(card_bytes)]
+    if not fitting:
+        return None
+    qlora = [r for r in fitting if r.method == "qlora"]
+    plain = [r for r in fitting if r.method != "qlora"]
+    return min(plain or qlora, key=_cost)
+
+
+def _stderr_line(done, total, name):
+    text = f"measuring: {done}/{total} fake-tensor steps done" + (f" ({name} running)" if name else "")
+    if sys.stderr.isatty():           # one line, rewritten in place
+        print("\r" + text.ljust(72), end="\n" if name is None else "", file=sys.stderr, flush=True)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=16, targets=("q_proj", "v_proj"),
+                precision="mixed", workers=None, say=_stderr_line, max_cards=1024, checkpoints=(False, True)):
+    """Measure ``model`` (see ``resolve_model``) on ``cards`` (see ``parse_cards``) and pick a plan; returns a
+    ``Plan`` (``plan.report()``: the table, the plan and its command). ``method``: ``"full"``, ``"lora"`` or
+    ``"qlora"``; ``precision``: ``"mixed"`` (bf16 compute: the ZeRO paper's 2 + 2 + 12 bytes for full fine-tuning, a
+    bf16 base for LoRA) or ``"fp32"``; ``checkpoints``: which activation-checkpointing settings to try.
+    ``workers``: processes that measure at once (default: 2 when the machine has
+    them and the model is deep; the rows share every measurement they can). When nothing fits, FSDP2 (and the
+    counted ZeRO rows) are tried on more cards, to find the fewest that fit."""
+    t0 = time.perf_counter()
+    if method not in ("full", "lora", "qlora"):
+        raise WillItFitError(f"--method {method!r}: use full, lora or qlora")
+    if precision not in ("mixed", "fp32"):
+        raise WillItFitError(f"--precision {precision!r}: use mixed or fp32")
+    shape, source = (model, None) if isinstance(model, LlamaShape) else resolve_model(model)
+    count, gib, label = parse_cards(cards) if isinstance(cards, str) else (cards[0], float(cards[1]),
+                                                                            f"{cards[0]} x {cards[1]:g} GiB")
+    if workers is None:
+        workers = 2 if (os.cpu_count() or 1) >= 2 and shape.n_layer > 8 else 1
+    targets = tuple(targets)
+    kw = dict(seq_len=seq_len, micro_batch=micro_batch, lora_r=lora_r, targets=targets, precision=precision)
+    jobs = _jobs(shape, method, count, checkpoints=tuple(checkpoints), **kw)
+    jobs = dict(sorted(jobs.items(), key=lambda kv: kv[1][0] == "replica"))   # the long FSDP2 steps first
+    results = _run_jobs(jobs, workers, say)
+    rows = _rows(shape, method, count, results, precision)
+    plan = Plan(getattr(model, "name", model), shape, source, method, count, gib, label, seq_len, micro_batch,
+                lora_r, targets, precision, rows)
+    plan.results = results
+    plan.chosen = _pick(rows, plan.card_bytes)
+    if plan.chosen is None:
+        plan.smallest = _smallest(plan, results, kw, workers, say, max_cards)
+    plan.seconds = time.perf_counter() - t0
+    return plan
+
+
+def _smallest(plan, results, kw, workers, say, max_cards):
+    """The plan on the fewest cards (more than ``plan.cards``) that fits: ZeRO rows counted on the replicas already
+    measured, FSDP2 with checkpointing measured per card count (doubling, then halving the gap)."""
+    card, method, shape = plan.card_bytes, plan.method, plan.shape
+    reps = {k: v for k, v in results.items() if k.startswith("replica")}
+    best = None
+    if method == "full" and reps:
+        for W in range(max(plan.cards + 1, 2), max_cards + 1):
+            fit = [r for r in _rows(shape, method, W, reps, plan.precision)
+                   if r.same_training and r.strategy != "DDP" and r.fits(card)]
+            if fit:
+                best = min(fit, key=_cost)
+                break
+
+    def fsdp_at(W):
+        res = _run_jobs(_jobs(shape, method, W, checkpoints=(True,), replicas=False, **kw), 1, say)
+        plan.results.update(res)
+        rows = [r for r in _rows(shape, method, W, res, plan.precision) if r.strategy == "FSDP2"]
+        return rows[0]
+
+    if method == "qlora":
+        return None
+    lo, hi, hi_row = plan.cards, None, None
+    limit = best.world_size - 1 if best else max_cards
+    W = max(2 * plan.cards, 2)
+    while W <= limit:
+        row = fsdp_at(W)
+        if row.fits(card):
+            hi, hi_row = W, row
+            break
+        lo, W = W, 2 * W
+    if hi is None and limit > lo and (best is None or limit < max_cards):
+        W = limit
+        if W > lo:
+            row = fsdp_at(W)
+            if row.fits(card):
+                hi, hi_row = W, row
+    if hi is None:
+        return best
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        row = fsdp_at(mid)
+        if row.fits(card):
+            hi, hi_row = mid, row
+        else:
+            lo = mid
+    return hi_row
+
+
+# -- --check: the plan at tiny scale, on real ranks ---------------------------------------------------------------
+def tiny_like(shape):
+    """A 2-block model with ``shape``'s layer types: its grouped-query ratio, q/k/v biases, tied embeddings."""
+    group = max(shape.n_head // shape.n_kv_head, 1)
+    n_kv = 2 if group <= 2 else 1
+    n_head = n_kv * min(group, 4)
+    return LlamaShape(f"{shape.name}, tiny", vocab_size=64, d_model=8 * n_head, n_layer=2, d_ff=24 * n_head // 2,
+                      n_head=n_head, n_kv_head=n_kv, qkv_bias=shape.qkv_bias, tie_embeddings=shape.tie_embeddings)
+
+
+CHECK_STEPS, CHECK_BATCH, CHECK_SEQ, CHECK_LR = 4, 4, 16, 0.5
+
+
+def _check_model(shape, method, lora_r, targets, checkpoint):
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    from course_utils.lora import add_lora
+    from course_utils.true_size import LlamaShaped
+
+    torch.manual_seed(0)
+    model = LlamaShaped(shape)
+    if method != "full":
+        add_lora(model, targets=targets, r=lora_r, alpha=2 * lora_r, seed=0)
+        with torch.no_grad():                 # B starts at zero; make the adapters' update count from step 0
+            for name, p in model.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(0, 0.05)
+    if checkpoint:
+        for block in model.blocks:
+            block.forward = (lambda f: lambda x: ckpt(f, x, use_reentrant=False))(block.forward)
+    return model
+
+
+def _check_batches(shape, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(shape.vocab_size, (CHECK_BATCH, CHECK_SEQ + 1), generator=g)
+
+
+def _loss(model, batch):
+    import torch.nn.functional as F
+
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _reference_losses(shape, method, lora_r, targets, checkpoint):
+    model = _check_model(shape, method, lora_r, targets, checkpoint)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=CHECK_LR)
+    losses = []
+    for step in range(CHECK_STEPS):
+        loss = _loss(model, _check_batches(shape, step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _rank_losses(shape, method, strategy, lora_r, targets, checkpoint, bug=None):
+    """On every rank of a gloo world: ``strategy`` over the tiny model, the rank's slice of each global batch."""
+    import torch.distributed as dist
+
+    from course_utils.zero import ShardedOptimizer
+
+    torch.set_num_threads(1)
+    rank, W = dist.get_rank(), dist.get_world_size()
+    model = _check_model(shape, method, lora_r, targets, checkpoint)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if strategy in ("DDP", "ZeRO-1"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        if strategy == "DDP":
+            optimizer = torch.optim.SGD(params, lr=CHECK_LR)
+        else:
+            optimizer = ShardedOptimizer(params, torch.optim.SGD, lr=CHECK_LR)
+    elif strategy == "ZeRO-2":
+        optimizer = ShardedOptimizer(params, torch.optim.SGD, lr=CHECK_LR, reduce_scatter=True)
+    elif strategy == "FSDP2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=CHECK_LR)
+    else:
+        raise ValueError(f"strategy {strategy!r}: one of {', '.join(STRATEGY_ORDER)}")
+    per_rank = CHECK_BATCH // W
+    losses = []
+    for step in range(CHECK_STEPS):
+        batch = _check_batches(shape, step)[rank * per_rank:(rank + 1) * per_rank]
+        loss = _loss(model, batch)
+        # the planted wrong strategy: the loss divided by W before backward, on top of the strategy's own average
+        (loss / W if bug == "average twice" else loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses
+
+
+def check_plan(shape, method, strategy, checkpoint=False, lora_r=4, targets=("q_proj", "v_proj"), world_size=2,
+               bug=None, tolerance=1e-5, cluster=None):
+    """Train a tiny model with ``shape``'s layer types for a few steps with ``strategy`` on ``world_size`` CPU ranks
+    (gloo, the course's ``Cluster``) and on one process, same data, same initialisation; return
+    ``(ok, max loss difference, distributed losses, single-process losses)``. In fp32, with SGD: AdamW divides each
+    gradient by its own running scale, so it would train almost alike on gradients averaged twice (``bug``)."""
+    from course_utils.engine.launcher import Cluster
+
+    tiny = tiny_like(shape)
+    m = "full" if method == "full" else "lora"
+    lora_r = min(lora_r, 4)
+    ref = _reference_losses(tiny, m, lora_r, tuple(targets), checkpoint)
+    own = cluster is None
+    cluster = cluster or Cluster(world_size=world_size, backend="gloo", timeout=120)
+    try:
+        got = cluster.run(_rank_losses, tiny, m, strategy, lora_r, tuple(targets), checkpoint, bug)[0]
+    finally:
+        if own:
+            cluster.shutdown()
+    diff = max(abs(a - b) for a, b in zip(got, ref))
+    return diff <= tolerance, diff, got, ref

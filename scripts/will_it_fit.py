@@ -1,0 +1,76 @@
+"""Will it fit on my cards? One training step of your model measured at true size, on this CPU, in under a minute
+(course_utils.will_it_fit; lessons 13 and 15 measure the same way with fake tensors).
+
+LoRA of Llama 2 7B on two 24 GB cards:
+    python scripts/will_it_fit.py --model llama-2-7b --cards 2x24GiB --method lora
+
+Full fine-tuning of Mistral 7B on eight A100 40 GB, sequences of 2048 tokens:
+    python scripts/will_it_fit.py --model mistral-7b --cards 8xA100-40 --method full --seq-len 2048
+
+Your own decoder's config.json (Llama, Mistral, Qwen2), or a hub name (its config.json only is downloaded):
+    python scripts/will_it_fit.py --model path/to/config.json --cards "RTX 4090" --method qlora
+    python scripts/will_it_fit.py --model Qwen/Qwen2.5-3B --cards 2x16 --method lora --lora-r 8
+
+Then check that the chosen plan trains the same model as one process does, at tiny scale on 2 CPU ranks (gloo):
+    python scripts/will_it_fit.py --model llama-2-7b --cards 2x24GiB --method lora --check
+
+It prints, per strategy, the peak per card in each phase (forward, backward, optimizer step), the headroom against
+85% of the card, and a verdict; then the cheapest plan that fits and the command that runs it (scripts/finetune_lora.py
+for LoRA, lesson 11's scripts/train_micro_ddp.py for full fine-tuning), or the fewest cards that fit.
+"""
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from course_utils.will_it_fit import MODELS, WillItFitError, check_plan, will_it_fit  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"{', '.join(MODELS)}, a config.json (or its folder), or a hub name")
+    p.add_argument("--cards", required=True, help="count x memory (2x16GiB) or count x a card's name (8xA100-80, "
+                                                  "'2 x RTX 3090'); one card: 'RTX 4090'")
+    p.add_argument("--method", default="lora", choices=["full", "lora", "qlora"])
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per card per forward")
+    p.add_argument("--precision", default="mixed", choices=["mixed", "fp32"],
+                   help="mixed: bf16 compute (full: fp32 master + moments, bf16 weights and gradients; LoRA: a bf16 "
+                        "base); fp32: everything in fp32")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--targets", default="q_proj,v_proj", help="LoRA's target modules, comma-separated")
+    p.add_argument("--workers", type=int, default=None, help="processes measuring at once (default: 2 if there are)")
+    p.add_argument("--check", action="store_true",
+                   help="run the chosen plan at tiny scale on 2 CPU ranks (gloo) against one process")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message="DTensor random operators")
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    try:
+        plan = will_it_fit(args.model, args.cards, method=args.method, seq_len=args.seq_len,
+                           micro_batch=args.micro_batch, lora_r=args.lora_r, targets=targets,
+                           precision=args.precision, workers=args.workers)
+    except WillItFitError as exc:
+        print(f"will_it_fit: {exc}", file=sys.stderr)
+        return 2
+    print(plan.report(), flush=True)
+    row = plan.chosen or plan.smallest
+    if args.check:
+        if row is None:
+            print("--check: no plan to check", file=sys.stderr)
+            return 1
+        ok, diff, got, ref = check_plan(plan.shape, row.method, row.strategy, row.checkpoint, args.lora_r, targets)
+        print(f"check: {row.label} on 2 CPU ranks (gloo) against one process, a 2-block {plan.shape.name} with "
+              f"the same layer types, {len(got)} steps: largest loss difference {diff:.1e} -> "
+              f"{'the same training' if ok else 'NOT the same training'}")
+        return 0 if ok else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
