@@ -60,7 +60,23 @@ def sanitise(nb) -> None:
                     out["data"][mime] = clean(value)
 
 
+def import_torch_seconds() -> float:
+    """How long a fresh `python -c "import torch"` takes here, the median of 3: stored with each executed notebook,
+    so that tests/test_ci_budget.py compares its cells' times as the reference machine would have taken them
+    (scripts/stored_outputs.py, REFERENCE_IMPORT_TORCH_S)."""
+    import statistics
+    import subprocess
+
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        runs.append(time.perf_counter() - t0)
+    return round(statistics.median(runs), 2)
+
+
 def execute(path: Path) -> float:
+    speed = import_torch_seconds()
     nb = nbformat.read(path, as_version=4)
     t0 = time.monotonic()
     client = nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3",
@@ -69,6 +85,7 @@ def execute(path: Path) -> float:
     sanitise(nb)  # no stored output publishes this machine's folders (tests/test_site.py checks)
     nb.metadata.pop("widgets", None)  # widget state cannot be checked by nbval: never store it
     nb.metadata.kernelspec = kernelspec()  # what JupyterLab writes: otherwise an untouched lesson opens "unsaved"
+    nb.metadata["micro_ddp"] = {"import_torch_s": speed}  # this machine's speed, beside the times it recorded
     nbformat.write(nb, path)
     return time.monotonic() - t0
 
