@@ -5,6 +5,7 @@ Chromium, Run > Run All Cells, then it reads what the page shows. This module ho
 plumbing: starting an isolated JupyterLab on loopback, stopping it without leaving a
 process behind, and reading a notebook's rendered cells.
 """
+import contextlib
 import json
 import os
 import secrets
@@ -23,6 +24,24 @@ from conftest import alive, free_port  # tests/ is on sys.path under pytest
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package, installed by .ci/install_browser.sh
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+@contextlib.contextmanager
+def chromium_context(profile, missing):
+    """A headless Chromium (Playwright's persistent context, Debian's binary, a 1280 x 900 viewport) with its
+    profile in ``profile``; ``missing(what)`` is called (it skips or fails the test) when Playwright is absent."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing("playwright is not installed")
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1280, "height": 900})
+        try:
+            yield context
+        finally:
+            context.close()
+
 
 # JupyterLab user settings for the test server. windowingMode "none" keeps every cell in the DOM
 # (the default only lays out cells near the viewport); the notifications would otherwise ask

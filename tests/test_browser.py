@@ -26,8 +26,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import learner_copy  # noqa: E402
-from browser_helpers import (CHROMIUM, CHROMIUM_ARGS, JupyterLab, notebook_panel, open_notebook,
-                             read_cells, run_all_cells, save_notebook, wait_for)
+from browser_helpers import (CHROMIUM, JupyterLab, chromium_context, notebook_panel, open_notebook, read_cells,
+                             run_all_cells, save_notebook, wait_for)
 from conftest import NOTEBOOKS, ROOT, in_ci
 
 LESSONS = ["00_launcher_tour.ipynb", "10_tradeoffs.ipynb"]
@@ -78,16 +78,8 @@ def artifacts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(lab, tmp_path_factory):
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _missing("playwright is not installed")
-    with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 900})
+    with chromium_context(tmp_path_factory.mktemp("chromium-profile"), _missing) as context:
         yield context
-        context.close()
 
 
 class Lesson:

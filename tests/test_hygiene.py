@@ -69,14 +69,10 @@ def test_executed_in_order_from_a_fresh_kernel(path):
     assert not empty, f"{path.name}: empty code cells {empty} carry a count or outputs from another run"
 
 
-def _kernelspec():
-    from jupyter_client.kernelspec import KernelSpecManager
+sys.path.insert(0, str(ROOT / "scripts"))
+from execute_notebooks import kernelspec  # noqa: E402  (scripts/ is not a package; make notebooks stores this)
 
-    spec = KernelSpecManager().get_kernel_spec("python3")
-    return {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
-
-
-KERNELSPEC = _kernelspec()
+KERNELSPEC = kernelspec()
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=_id)

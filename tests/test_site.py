@@ -365,20 +365,12 @@ class _Quiet(SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def browser(served, tmp_path_factory):
-    from browser_helpers import CHROMIUM, CHROMIUM_ARGS
+    from browser_helpers import CHROMIUM, chromium_context
 
     if not CHROMIUM.exists():
         _missing(f"{CHROMIUM} is not installed (.ci/install_browser.sh installs it)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _missing("playwright is not installed")
-    with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 900})
+    with chromium_context(tmp_path_factory.mktemp("chromium-profile"), _missing) as context:
         yield context
-        context.close()
 
 
 def _open(browser, url):
