@@ -1,10 +1,10 @@
 # The two commands of the README:
 #   make lab    set up (or reuse) .venv and open the course in JupyterLab
-#   make test   set up (or reuse) .venv and run every test: engine, checkers, notebooks (nbval), browser
-# and what CI (.ci/run) adds:
-#   make test-baseline-cpu   the lessons that print computed floats under nbval again, with torch's CPU kernels
-#                            forced down to the baseline instruction set (another machine's arithmetic; see
-#                            CONTRIBUTING.md)
+#   make test   set up (or reuse) .venv and run every test: engine, checkers, notebooks (nbval), browser;
+#               each notebook once, the lessons that print computed floats with torch's CPU kernels forced down
+#               to the baseline instruction set (another machine's arithmetic; the root conftest.py, CONTRIBUTING.md)
+# and for a contributor:
+#   make test-baseline-cpu   those lessons (or NOTEBOOKS) forced down, alone
 # TESTS and NOTEBOOKS narrow a run: make test TESTS=tests/test_plots.py, make test-baseline-cpu
 # NOTEBOOKS=notebooks/03_all_reduce_by_hand.ipynb. Without them, make test is exactly `python -m pytest`.
 # Without Chromium the browser test skips itself (it fails under CI=true); to leave it out on purpose:
@@ -50,7 +50,8 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(TESTS)
 
-# The baseline pass re-checks the lessons whose checked outputs hold computed floats (a trained loss, an error, a
+# `make test` already runs the rule's lessons forced down (conftest.py); this target runs them alone.
+# The baseline pass checks the lessons whose checked outputs hold computed floats (a trained loss, an error, a
 # ratio): scripts/stored_outputs.py --baseline chooses them by that rule from the stored outputs, so a new lesson is
 # classified without anyone listing it; NOTEBOOKS=... names others. The rest print only integers, versions and
 # masked timings, which another CPU's arithmetic cannot change.
@@ -59,7 +60,7 @@ test: $(STAMP)
 # ~/.cache/micro-ddp/bandwidth.json and nbval's kernels never read or write ~/.ipython.
 test-baseline-cpu: $(STAMP)
 	notebooks="$(or $(NOTEBOOKS),$$($(BIN)/python scripts/stored_outputs.py --baseline))" && test -n "$$notebooks" && \
-		cache=$$(mktemp -d) && $(BASELINE_CPU) MICRO_DDP_CACHE=$$cache IPYTHONDIR=$$cache/ipython \
+		cache=$$(mktemp -d) && $(BASELINE_CPU) MICRO_DDP_KERNELS=baseline MICRO_DDP_CACHE=$$cache IPYTHONDIR=$$cache/ipython \
 		JUPYTER_CONFIG_DIR=$$cache/jupyter JUPYTER_DATA_DIR=$$cache/jupyter JUPYTER_RUNTIME_DIR=$$cache/runtime \
 		MPLCONFIGDIR=$$cache/matplotlib $(BIN)/python -m pytest $$notebooks; \
 		rc=$$?; rm -rf "$$cache"; exit $$rc

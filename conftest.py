@@ -12,8 +12,14 @@ the suite's fixtures).
 - The longest units start first (lessons by their stored execution times), so that no worker idles at the end
   while the other finishes a long notebook.
 
+It also chooses the CPU kernels of each lesson's kernel (one nbval pass, not two): a lesson whose checked outputs
+hold a computed float (``scripts/stored_outputs.py``'s rule) runs with torch's CPU kernels forced down to the
+baseline instruction set (``BASELINE_CPU``: another machine's arithmetic than the one that stored its outputs); the
+others run natively. ``MICRO_DDP_KERNELS=native`` or ``=baseline`` runs every notebook one way.
+
 `pytest -n 0 ...` runs in one process, as before (for a debugger, or to time one file alone).
 """
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +44,52 @@ TIMED = {
 LONG_MODULES = {"tests/test_browser.py": 120, "tests/test_finetune_script.py": 120, "tests/test_scale_out.py": 90,
                 "tests/test_readme_promises.py": 90, "tests/test_kernel.py": 90,
                 "tests/test_site.py": 90}  # one `make site` (about 45 s) shared by its page and Chromium checks
+
+
+# torch 2.13 then reports torch.backends.cpu.get_cpu_capability() == "DEFAULT" (ATen without AVX2/AVX-512), MKL_VERBOSE
+# "SSE4.2", oneDNN "isa:Intel SSE4.1" (tests/test_project.py checks each); the Makefile's BASELINE_CPU is the same.
+BASELINE_CPU = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+KERNEL_MODES = ("rule", "native", "baseline")
+
+
+def kernels_for(path):
+    """"baseline" or "native": the CPU kernels the notebook at ``path`` runs with (see the module's docstring)."""
+    mode = os.environ.get("MICRO_DDP_KERNELS", "rule").strip().lower() or "rule"
+    if mode not in KERNEL_MODES:
+        raise pytest.UsageError(f"MICRO_DDP_KERNELS={mode!r}: use one of {', '.join(KERNEL_MODES)} (rule is the "
+                                f"default: the lessons that print computed floats run forced down)")
+    if mode != "rule":
+        return mode
+    return "baseline" if stored_outputs.computed_floats(path) else "native"
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    """nbval starts a notebook's kernel when its first cell is set up, with this process's environment: for a
+    notebook that runs forced down, BASELINE_CPU is in that environment while the kernel starts (its ranks, fork
+    server and torchrun jobs inherit it), and taken out again before the next test."""
+    starting = item.path.suffix == ".ipynb" and getattr(item.parent, "kernel", False) is None
+    if not (starting and kernels_for(item.path) == "baseline"):
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in BASELINE_CPU}
+    os.environ.update(BASELINE_CPU)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def pytest_report_header(config):
+    mode = os.environ.get("MICRO_DDP_KERNELS", "rule").strip().lower() or "rule"
+    if mode != "rule":
+        return f"notebooks: every kernel {mode} (MICRO_DDP_KERNELS={mode})"
+    forced = " ".join(path.name[:2] for path in stored_outputs.baseline_lessons())
+    return f"notebooks: lessons {forced} run with CPU kernels forced down to the baseline (the rest natively)"
 
 
 def _stored_seconds(path):

@@ -20,6 +20,11 @@ from conftest import LESSONS, ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import stored_outputs  # noqa: E402  (scripts/ is not a package)
 
+# the repository's root conftest.py (pytest loads it as a plugin; "conftest" here is tests/conftest.py)
+_spec = importlib.util.spec_from_file_location("conftest_root", ROOT / "conftest.py")
+conftest_root = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest_root)
+
 CELL_BUDGET = 30         # seconds: no cell keeps a learner waiting longer (CONTRIBUTING.md)
 LESSON_BUDGET = 120      # seconds: a lesson top to bottom on a quiet 2-core machine
 
@@ -121,6 +126,53 @@ def test_make_test_baseline_cpu_runs_the_rule_unless_told_which_notebooks():
                                "NOTEBOOKS=notebooks/03_all_reduce_by_hand.ipynb"],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "stored_outputs.py" not in narrowed.stdout and "03_all_reduce_by_hand" in narrowed.stdout, narrowed.stdout
+
+
+def test_one_nbval_pass_runs_the_rules_lessons_forced_down_and_the_rest_natively(tmp_path):
+    """`make test` runs each notebook once: the root conftest.py starts the kernel of a notebook that prints a
+    computed float with BASELINE_CPU in its environment (its ranks inherit it) and every other kernel natively.
+    Two probe notebooks, each printing the kernel's ATEN_CPU_CAPABILITY: the one with a computed float (0.5) stored
+    passes only forced down, the other only natively (an unset variable)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    floats = _notebook(tmp_path / "a", [("import os\nprint(os.environ.get('ATEN_CPU_CAPABILITY'), 1 / 2)",
+                                         "default 0.5\n", 1.0)])
+    integers = _notebook(tmp_path / "b", [("import os\nprint(os.environ.get('ATEN_CPU_CAPABILITY'), 4 // 2)",
+                                           "None 2\n", 1.0)])
+    assert stored_outputs.computed_floats(floats) and not stored_outputs.computed_floats(integers)
+    env = {k: v for k, v in os.environ.items() if k not in conftest_root.BASELINE_CPU and k != "MICRO_DDP_KERNELS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-n", "0",
+                          "--nbval", "--nbval-current-env", str(floats), str(integers)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "lessons 01 " in run.stdout and "forced down" in run.stdout, f"the header names them:\n{run.stdout}"
+    # the pytest process itself keeps its own environment: only the kernel got the variables
+    assert conftest_root.kernels_for(floats) == "baseline" and conftest_root.kernels_for(integers) == "native"
+
+
+def test_the_kernels_can_be_chosen_for_every_notebook(tmp_path, monkeypatch):
+    path = _notebook(tmp_path, [("print(1 / 2)", "0.5\n", 1.0)])
+    for mode, expected in [("native", "native"), ("baseline", "baseline"), ("", "baseline"), ("rule", "baseline")]:
+        monkeypatch.setenv("MICRO_DDP_KERNELS", mode)
+        assert conftest_root.kernels_for(path) == expected, mode
+    monkeypatch.setenv("MICRO_DDP_KERNELS", "avx2")
+    with pytest.raises(pytest.UsageError, match="use one of rule, native, baseline"):
+        conftest_root.kernels_for(path)
+
+
+def test_ci_runs_one_nbval_pass_and_make_test_baseline_cpu_still_forces_every_notebook_it_runs():
+    """The baseline pass is in `make test` (above); .ci/run no longer runs the notebooks twice. The contributor's
+    target stays: it runs the rule's lessons (or NOTEBOOKS) all forced down, in the Makefile's environment and the
+    conftest's."""
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "make test-baseline-cpu" not in script.split("set -euo pipefail", 1)[1], "CI runs the notebooks twice"
+    recipe = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "test-baseline-cpu"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    assert "MICRO_DDP_KERNELS=baseline" in recipe, recipe
+    makefile = (ROOT / "Makefile").read_text()
+    for name, value in conftest_root.BASELINE_CPU.items():
+        assert f"{name}={value}" in makefile, f"the Makefile's BASELINE_CPU lacks {name}={value}"
 
 
 def test_the_rule_prints_paths_pytest_can_collect():
