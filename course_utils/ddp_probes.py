@@ -6,6 +6,10 @@ The hooks that teach something (the counting comm hook of 06, the bucket-recordi
 * ``GradReadyRecorder``: when each parameter's gradient is ready during backward.
 * ``BucketLog``: a state object for a comm hook that records each bucket it sees.
 * ``overlap``: how much of the communication ran while backward was still computing.
+* ``step_parts``, ``typical_step``, ``typical_steps``, ``typical_time``, ``compare_in_turns``, ``parts_table``: a
+  step's parts that add up, the typical step of many, two setups timed in turns compared, and their table.
+* ``describe_cap_sweep``, ``describe_overlap``, ``describe_agreement``, ``describe_compute_growth``: lesson 07's
+  sentences, chosen from its numbers.
 * ``plot_timelines``: backward compute against each bucket's all-reduce.
 * ``grad_storage``: gradient bytes held apart from DDP's bucket buffers.
 * ``step_time``: median wall time of a training step.
@@ -126,34 +130,6 @@ class BucketLog:
         return [(r["index"], r["start"], r["end"]) for r in recs]
 
 
-def describe_cap_sweep(caps, buckets, seconds, close=0.05):
-    """One sentence on lesson 07's ``bucket_cap_mb`` sweep, chosen from its numbers: which cap was fastest, and
-    whether overlapping (several buckets) paid against one bucket that overlaps nothing. ``seconds`` are median
-    forward+backward times; runs within ``close`` (5%) of each other count as a tie. Introduced in
-    07_buckets_and_overlap."""
-    fastest = min(range(len(caps)), key=lambda i: seconds[i])
-    slowest = max(range(len(caps)), key=lambda i: seconds[i])
-    one = buckets.index(1) if 1 in buckets else None
-    spread = seconds[slowest] / seconds[fastest] - 1
-    name = f"bucket_cap_mb={caps[fastest]:g} ({buckets[fastest]} bucket{'s' if buckets[fastest] > 1 else ''})"
-    if spread < close:
-        return (f"every cap took within {close:.0%} of the others (fastest {name}, {spread:.0%} ahead of the "
-                "slowest): on this machine the bucket size made no measurable difference.")
-    text = f"the fastest was {name}, {spread:.0%} faster than the slowest, bucket_cap_mb={caps[slowest]:g}"
-    if one is None:
-        return text + "."
-    if fastest == one:
-        return (text + ": one bucket, which overlaps nothing with backward, won here: on shared CPU cores the "
-                "all-reduces running during backward slowed it more than overlap saved, and every extra message "
-                "paid its latency.")
-    gain = seconds[one] / seconds[fastest] - 1
-    if gain < close:
-        return (text + f"; within {close:.0%} of one bucket (bucket_cap_mb={caps[one]:g}, no overlap), so overlap "
-                "barely paid here.")
-    return (text + f"; {gain:.0%} faster than one bucket (bucket_cap_mb={caps[one]:g}, no overlap): overlapping "
-            "the all-reduces with backward paid more than the extra messages cost.")
-
-
 def short_names(names, width=60):
     """'0.weight, 0.bias, 2.weight' shortened to ``width`` characters."""
     text = ", ".join(names)
@@ -186,6 +162,207 @@ def overlap(compute, comm):
     hidden_s = sum(max(0.0, min(b, c1) - max(a, c0)) for a, b in merged)
     return {"comm_s": comm_s, "hidden_s": hidden_s, "exposed_s": comm_s - hidden_s,
             "hidden_fraction": hidden_s / comm_s if comm_s > 0 else 0.0}
+
+
+def step_parts(tl):
+    """One step of a lesson-07 timeline split into parts that add up to it, in seconds.
+
+    ``tl`` is a dict with ``t0`` (backward starts), ``grads`` (``[(name, t), ...]``, in ready order), ``comm``
+    (``[(label, start, end), ...]``) and ``end`` (every gradient reduced). Returns ``total`` = ``compute`` (``t0`` to
+    the last gradient) + ``exposed`` (communication after the last gradient) + ``rest`` (the rest of the step after
+    the last gradient: DDP's copies back, waiting); ``hidden`` and ``comm`` (the communication inside the compute
+    window, and all of it) are not parts: hidden communication ran during ``compute``. Introduced in
+    07_buckets_and_overlap.
+    """
+    last = tl["grads"][-1][1]
+    ov = overlap((tl["t0"], last), [(a, b) for _, a, b in tl["comm"]])
+    total, compute = tl["end"] - tl["t0"], last - tl["t0"]
+    return {"total": total, "compute": compute, "exposed": ov["exposed_s"],
+            "rest": max(total - compute - ov["exposed_s"], 0.0), "hidden": ov["hidden_s"], "comm": ov["comm_s"]}
+
+
+def typical_steps(runs):
+    """Lesson 07's timelines summarised: ``runs`` maps a name to its list of timelines (``step_parts``'s input).
+    Returns ``(parts, stats, shown)``, per name: every step's parts, the typical step (``typical_step``), and the
+    timeline whose step time is closest to the typical one (the one to draw). Introduced in 07_buckets_and_overlap."""
+    parts = {name: [step_parts(tl) for tl in tls] for name, tls in runs.items()}
+    stats = {name: typical_step(p) for name, p in parts.items()}
+    shown = {name: min(tls, key=lambda tl: abs(tl["end"] - tl["t0"] - stats[name]["total"]))
+             for name, tls in runs.items()}
+    return parts, stats, shown
+
+
+def parts_table(stats, label="typical step"):
+    """Lesson 07's table of typical steps (``typical_step`` dicts by name): ``step = compute + comm exposed + rest``,
+    and the communication hidden inside ``compute``, in ms. Introduced in 07_buckets_and_overlap."""
+    columns = ("total", "compute", "exposed", "rest", "hidden")
+    return table([label, "step", "= compute", "+ comm exposed", "+ rest", "comm hidden"],
+                 [[name] + [f"{s[c] * 1e3:8.1f} ms" for c in columns] for name, s in stats.items()])
+
+
+def _middle_half(totals):
+    """Indices of the steps between the fastest and the slowest quarter, by total time."""
+    order = sorted(range(len(totals)), key=lambda i: totals[i])
+    cut = len(order) // 4
+    return order[cut:len(order) - cut] if len(order) > 2 else order
+
+
+def typical_step(steps):
+    """The typical step of ``steps`` (a list of ``step_parts`` dicts): every part averaged over the same steps, the
+    middle half by total time (the fastest and the slowest quarter left out, so one preempted step does not count).
+    Unlike medians taken part by part, these parts add up: ``compute + exposed + rest == total``. Introduced in
+    07_buckets_and_overlap."""
+    keep = _middle_half([s["total"] for s in steps])
+    return {k: sum(steps[i][k] for i in keep) / len(keep) for k in steps[0]}
+
+
+def typical_time(seconds):
+    """The typical one of ``seconds`` (step times): the mean of their middle half, the fastest and the slowest
+    quarter left out. Introduced in 07_buckets_and_overlap."""
+    keep = _middle_half(seconds)
+    return sum(seconds[i] for i in keep) / len(keep)
+
+
+def compare_in_turns(base, other):
+    """Step times of two setups timed in turns (``base[i]`` and ``other[i]`` in the same round, seconds): the time
+    ``other`` saves against ``base`` per typical step (the mean of the middle half of each), as seconds and as a
+    fraction of ``base``'s step, how many rounds ``other`` won, and the verdict of a sign test over the rounds:
+    ``"faster"`` or ``"slower"`` when ``other`` won or lost at least 3 in 4 rounds and the typical steps agree, else
+    ``"no measurable difference"``. Introduced in 07_buckets_and_overlap."""
+    assert len(base) == len(other) and base, "two lists of step times, one per round, timed in turns"
+    saved = typical_time(base) - typical_time(other)
+    won, n = sum(o < b for b, o in zip(base, other)), len(base)
+    if 4 * won >= 3 * n and saved > 0:
+        verdict = "faster"
+    elif 4 * won <= n and saved < 0:
+        verdict = "slower"
+    else:
+        verdict = "no measurable difference"
+    return {"saved_s": saved, "saved_fraction": saved / typical_time(base), "won": won, "rounds": n, "verdict": verdict}
+
+
+def _ms(seconds):
+    return f"{abs(seconds) * 1e3:.1f} ms"
+
+
+def _against(cmp, other, base):
+    """'with 7 buckets a step took 3.1 ms less than with one bucket, 5% of that step (faster in 13 of 16 rounds
+    timed in turns)'."""
+    share = f"{abs(cmp['saved_fraction']):.0%} of that step"
+    if cmp["verdict"] == "faster":
+        return (f"with {other} a step took {_ms(cmp['saved_s'])} less than with {base}, {share} (faster in "
+                f"{cmp['won']} of {cmp['rounds']} rounds timed in turns)")
+    if cmp["verdict"] == "slower":
+        return (f"with {other} a step took {_ms(cmp['saved_s'])} longer than with {base}, {share} (slower in "
+                f"{cmp['rounds'] - cmp['won']} of {cmp['rounds']} rounds timed in turns)")
+    return (f"no measurable difference between {other} and {base}: {other} was faster in {cmp['won']} of "
+            f"{cmp['rounds']} rounds timed in turns (its typical step {_ms(cmp['saved_s'])} "
+            f"{'shorter' if cmp['saved_s'] >= 0 else 'longer'})")
+
+
+def describe_cap_sweep(caps, buckets, seconds):
+    """One sentence on lesson 07's ``bucket_cap_mb`` sweep, chosen from its numbers: which cap was fastest, and
+    whether overlapping (several buckets) measurably paid against one bucket, which overlaps nothing. ``seconds``
+    holds, per cap, the step times of the rounds in which every cap took one step in turn; speed is the time saved
+    per step against one bucket (``compare_in_turns``). Introduced in 07_buckets_and_overlap."""
+    one = buckets.index(1)
+    typical = [typical_time(ts) for ts in seconds]
+    fastest = min(range(len(caps)), key=lambda i: typical[i])
+    name = lambda i: f"bucket_cap_mb={caps[i]:g} ({buckets[i]} bucket{'s' if buckets[i] > 1 else ''})"
+    cmps = {i: compare_in_turns(seconds[one], seconds[i]) for i in range(len(caps)) if i != one}
+    base = f"one bucket (bucket_cap_mb={caps[one]:g}, no overlap)"
+    faster = [i for i, c in cmps.items() if c["verdict"] == "faster"]
+    slower = [i for i, c in cmps.items() if c["verdict"] == "slower"]
+    if faster:
+        best = max(faster, key=lambda i: cmps[i]["saved_s"])
+        return (f"the fastest was {name(best)}: " + _against(cmps[best], f"{buckets[best]} buckets", base) +
+                ": overlapping the all-reduces with backward paid more than the extra messages cost.")
+    if slower:
+        worst = min(slower, key=lambda i: cmps[i]["saved_s"])
+        return (f"one bucket (bucket_cap_mb={caps[one]:g}), which overlaps nothing, was not beaten: "
+                + _against(cmps[worst], f"{buckets[worst]} buckets", "one bucket") +
+                ": on these shared cores the all-reduces running during backward, and the extra messages, cost more "
+                "than overlap saved.")
+    return (f"no cap was measurably faster or slower than one bucket (bucket_cap_mb={caps[one]:g}) in "
+            f"{len(seconds[one])} rounds timed in turns (the typical step was shortest with {name(fastest)}, but no "
+            "cap won or lost 3 rounds in 4 against one bucket): on this machine overlap neither paid nor cost "
+            "measurably.")
+
+
+_PART_NAMES = {"compute": "backward's compute", "exposed": "the exposed communication",
+               "rest": "the rest after the last gradient"}
+
+
+def describe_overlap(one, many, many_label="7 buckets", one_label="one bucket"):
+    """One sentence on lesson 07's timelines, chosen from their numbers: is the step with ``many`` buckets faster
+    than with one, and which part of the step made the difference. ``one`` and ``many`` are lists of ``step_parts``
+    dicts timed in turns; the reason is read from the typical steps' parts, which add up (``typical_step``), never
+    from medians that do not. Introduced in 07_buckets_and_overlap."""
+    cmp = compare_in_turns([s["total"] for s in one], [s["total"] for s in many])
+    t_one, t_many = typical_step(one), typical_step(many)
+    delta = {k: t_many[k] - t_one[k] for k in ("compute", "exposed", "rest")}
+    parts = ", ".join(f"{_PART_NAMES[k]} {'+' if d >= 0 else '-'}{_ms(d)}" for k, d in delta.items())
+    text = _against(cmp, many_label, one_label) + f". Per typical step (its parts add up): {parts}"
+    if cmp["verdict"] == "faster":
+        main = min(delta, key=delta.get)
+        if main == "exposed":
+            return text + (": overlap paid, the communication it hid was worth more than backward's compute grew."
+                           if delta["compute"] > 0 else ": overlap paid, the communication it hid is the saving.")
+        return text + f": the saving is in {_PART_NAMES[main]}, not in the hidden communication."
+    if cmp["verdict"] == "slower":
+        main = max(delta, key=delta.get)
+        if main == "compute":
+            hid = (f"more than overlap took off the exposed communication ({_ms(delta['exposed'])})"
+                   if delta["exposed"] < 0 else "and overlap took nothing off the exposed communication")
+            return text + (f": backward's compute grew by {_ms(delta['compute'])} with the bucket all-reduces and "
+                           f"their hooks running beside it, {hid}.")
+        if main == "exposed":
+            return text + (": more communication was left after backward: every message pays its latency, and the "
+                           "last buckets queue behind the earlier ones.")
+        return text + ": the step grew after the last gradient, outside the communication the hooks recorded."
+    return text + "."
+
+
+def describe_agreement(sweep, timeline):
+    """One sentence: do section 3's sweep and section 4's timelines of lesson 07, two cells that time the same two
+    bucket layouts, each in its own turns, agree? ``sweep`` and ``timeline`` are ``compare_in_turns`` results
+    (several buckets against one). Introduced in 07_buckets_and_overlap."""
+    def short(cmp):
+        if cmp["verdict"] == "no measurable difference":
+            return (f"no measurable difference (a typical step {_ms(cmp['saved_s'])} "
+                    f"{'shorter' if cmp['saved_s'] >= 0 else 'longer'}, faster in {cmp['won']} of {cmp['rounds']})")
+        return f"{cmp['verdict']} by {_ms(cmp['saved_s'])} per step"
+
+    a, b = sweep["verdict"], timeline["verdict"]
+    figures = (f"with 7 buckets against one, the sweep of section 3 (forward included) found {short(sweep)}, these "
+               f"timelines found {short(timeline)}")
+    if a == b:
+        return f"the two cells agree: {figures} for the same two layouts."
+    if "no measurable difference" in (a, b):
+        return (f"the two cells half agree: {figures}; an effect that one cell measures and the other does not is "
+                "near this machine's noise.")
+    return (f"the two cells disagree: {figures}; the difference between the layouts is smaller than what the load "
+            "on this machine changes from one cell to the next, so neither figure is a property of the layouts.")
+
+
+def describe_compute_growth(sim_growth, real_growth, noise=0.1):
+    """One sentence comparing how much backward's compute grew with several buckets against one, on lesson 07's
+    simulated link (no transfer work) and on the real gloo run: ``sim_growth`` and ``real_growth`` are the ratios
+    of the typical steps' compute. Growths within ``noise`` (0.1: 10 points) of each other count as equal.
+    Introduced in 07_buckets_and_overlap."""
+    text = (f"backward's compute with 7 buckets against one: x{sim_growth:.2f} on the simulated link (no transfer "
+            f"work), x{real_growth:.2f} on the real gloo run")
+    if max(sim_growth, real_growth) <= 1 + noise:
+        return text + f": neither grew by more than the noise ({noise:.0%})."
+    if real_growth > sim_growth + noise:
+        return text + (": the real run's compute grew more, and that difference is the share of backward's cores "
+                       "that gloo's transfers took.")
+    if sim_growth > real_growth + noise:
+        return text + (": the simulated link's grew more, with no transfer at all, so this run shows no cost of "
+                       "gloo's transfers to backward; the growth came from what the runs share (hook calls, threads) "
+                       "and from this machine's load, which changed between the two cells.")
+    return text + (": about as much, with no transfer on the simulated link, so the growth is not gloo's work but "
+                   "what both runs share (hook calls, threads, this machine's load).")
 
 
 def plot_timelines(timelines, titles, figsize=(9, 2.4)):

@@ -78,6 +78,41 @@ def test_overlap_merges_concurrent_all_reduces_instead_of_counting_twice():
     assert overlap((0.0, 1.0), [])["hidden_fraction"] == 0.0, "no communication: nothing hidden"
 
 
+def test_step_parts_add_up_to_the_step():
+    tl = {"t0": 0.0, "grads": [("a", 0.010), ("b", 0.030)], "comm": [("bucket 0", 0.010, 0.020),
+                                                                    ("bucket 1", 0.025, 0.040)], "end": 0.045}
+    parts = ddp_probes.step_parts(tl)
+    assert parts["total"] == pytest.approx(0.045) and parts["compute"] == pytest.approx(0.030)
+    assert parts["hidden"] == pytest.approx(0.015), "10-20 ms and 25-30 ms ran during backward"
+    assert parts["exposed"] == pytest.approx(0.010), "30-40 ms ran after the last gradient"
+    assert parts["rest"] == pytest.approx(0.005), "40-45 ms: the step after its communication"
+    assert parts["compute"] + parts["exposed"] + parts["rest"] == pytest.approx(parts["total"])
+
+
+def test_the_typical_step_adds_up_where_medians_part_by_part_do_not():
+    """The review's 07 printed medians column by column: a step of 57.1 ms with compute 32.6 and communication
+    12.2, which do not add up. The typical step averages every part over the same steps (the middle half by total),
+    so its parts add up, and a preempted step is left out."""
+    import statistics
+
+    steps = []
+    for i, (compute, exposed) in enumerate([(30, 25), (35, 12), (33, 11), (31, 24), (32, 12), (34, 22), (29, 13),
+                                            (36, 9)]):
+        rest = 1 + i % 3
+        steps.append({"total": (compute + exposed + rest) / 1e3, "compute": compute / 1e3, "exposed": exposed / 1e3,
+                      "rest": rest / 1e3, "hidden": 0.0, "comm": exposed / 1e3})
+    steps.append(dict(steps[0], total=0.500, rest=0.500 - 0.055))     # one preempted step
+    medians = {k: statistics.median(s[k] for s in steps) for k in ("total", "compute", "exposed", "rest")}
+    assert abs(medians["compute"] + medians["exposed"] + medians["rest"] - medians["total"]) > 1e-3, (
+        f"these steps are chosen so that medians part by part do not add up: {medians}")
+    typical = ddp_probes.typical_step(steps)
+    assert typical["compute"] + typical["exposed"] + typical["rest"] == pytest.approx(typical["total"])
+    assert typical["total"] < 0.060, f"the preempted 500 ms step is not part of the typical one: {typical}"
+    assert ddp_probes.typical_time([s["total"] for s in steps]) == pytest.approx(typical["total"])
+    text = ddp_probes.parts_table({"a run": typical})
+    assert "= compute" in text and "+ comm exposed" in text and "+ rest" in text, text
+
+
 def test_step_time_calls_warmup_plus_n_times_and_returns_the_median():
     calls = []
 
