@@ -3,7 +3,7 @@
 - ``Kernel``: a real IPython kernel driven through jupyter_client, as JupyterLab drives it.
 - ``listening_addresses(pids)``: the local addresses the given processes listen on.
 - ``ranks_below(pid)``: the live ranks started below ``pid``, on either start path.
-- ``wait_until_the_fork_server_has_imported_everything()``: the fork server's idle imports are done.
+- ``wait_until_the_fork_server_has_imported_everything()``: the second fork server has imported LATER and serves.
 """
 import os
 import shutil
@@ -92,43 +92,20 @@ class Kernel:
 
 
 # ---- the fork server --------------------------------------------------------------------------------------------
-# epoll_wait on x86-64 (232), epoll_pwait on x86-64 (281) and on arm64 (22): the syscalls whose 4th argument is
-# the timeout, -1 (0xffffffff as an int) for "wait for ever"
-_EPOLL_WAITS = {232, 281, 22}
-
-
-def fork_server_waits_for_ever(pid):
-    """True when the fork server ``pid`` waits for its next request with no timeout, from /proc/PID/syscall.
-
-    The server imports _forkstart.LATER (torch._dynamo) between two requests, on its only serving thread, while
-    it waits with a timeout of _forkstart.IDLE_S; it waits with none only once nothing is left to import. So a
-    rank forked after this returned True has every module of LATER. None where /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/syscall") as f:
-            fields = f.read().split()
-    except OSError:
-        return None
-    if len(fields) < 5 or not fields[0].isdigit():  # "running", or a process that is not in a syscall
-        return False
-    return int(fields[0]) in _EPOLL_WAITS and int(fields[4], 16) & 0xFFFFFFFF == 0xFFFFFFFF
-
-
 def wait_until_the_fork_server_has_imported_everything(timeout=120.0):
-    """Start the fork server if needed, then wait (up to ``timeout`` s) until it has imported _forkstart.LATER.
-    Raises AssertionError when that does not happen or cannot be seen."""
-    from multiprocessing import forkserver
-
+    """Start the fork servers if needed (a cluster of 1 starts B, see _forkstart), then wait (up to ``timeout`` s)
+    until B has imported _forkstart.LATER and serves. Raises AssertionError when that does not happen."""
     from course_utils.engine import _forkstart
+    from course_utils.engine.launcher import Cluster
 
     assert _forkstart.context() is not None, "the fork server did not start"
-    pid = forkserver._forkserver._forkserver_pid
+    if _forkstart._state["b"] is None:
+        with Cluster(world_size=1, backend="gloo"):
+            pass
+    assert _forkstart._state["b"] is not None, "no second fork server started after a cluster did"
     deadline = time.monotonic() + timeout
-    while True:
-        state = fork_server_waits_for_ever(pid)
-        assert state is not None, f"/proc/{pid}/syscall cannot be read: the fork server's wait cannot be seen"
-        if state:
-            return
-        assert time.monotonic() < deadline, f"the fork server (pid {pid}) still imports after {timeout:.0f} s"
+    while not _forkstart.second_server_ready():
+        assert time.monotonic() < deadline, f"the second fork server still imports after {timeout:.0f} s"
         time.sleep(0.05)
 
 

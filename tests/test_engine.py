@@ -186,10 +186,10 @@ def test_torch_dynamo_is_imported_before_the_first_cell_and_ddp_works():
     # DDP's constructor and the first optimizer import torch._dynamo lazily: a stop in the middle of that
     # import used to leave it half-registered (every later DDP on the rank failed), and imported after
     # init_process_group it kept the group alive (through torch.distributed.nn's defaults). Forked ranks get
-    # it from the fork server, which imports it once it has been idle (_forkstart.LATER, off the first start's
-    # path); fresh interpreters import only torch.distributed.nn before their group (issue 30).
-    # A rank forked before the server has imported it imports torch._dynamo itself, when it needs it: the test
-    # waits until the server waits for requests with no timeout, which it does only once it has imported LATER.
+    # it from the second fork server, which imports it after the first cluster started (_forkstart.LATER, off the
+    # first start's path); fresh interpreters import only torch.distributed.nn before their group (issue 30).
+    # A rank forked before B is ready comes from A and imports torch._dynamo itself, when it needs it: the test
+    # waits until B says it is ready.
     from course_utils.engine import _forkstart
     from engine_helpers import wait_until_the_fork_server_has_imported_everything
 

@@ -102,6 +102,104 @@ def test_an_interrupt_while_the_fork_server_imports_torch_does_not_kill_it():
     assert "fresh interpreters" not in proc.stderr, f"fell back after a restartable failure:\n{proc.stderr}"
 
 
+# -- 2b. two fork servers: A never imports on the thread that serves forks (issue 41) ------------------
+TWO_SERVERS = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, sys.argv[1])          # the slow probe module, on the servers' path too
+    from multiprocessing import forkserver
+    from course_utils import Cluster
+    from course_utils.engine import _forkstart
+
+    def wait_for_b():
+        deadline = time.monotonic() + 120
+        while not _forkstart.second_server_ready():
+            assert time.monotonic() < deadline, "B never became ready"
+            time.sleep(0.05)
+
+    PARENT = "import os, sys\\n(os.getppid(), 'torch._dynamo' in sys.modules)"
+    if sys.argv[2] == "slow":   # B imports a module that takes 60 s: a rank of A dies meanwhile
+        _forkstart.LATER = ["slow_import_probe"]
+        with Cluster(world_size=2, backend="gloo") as c:
+            a = forkserver._forkserver._forkserver_pid
+            t0 = time.monotonic()
+            try:
+                c.run("import os, torch, torch.distributed as dist\\nif rank == 1:\\n    os._exit(3)\\n"
+                      "dist.all_reduce(torch.ones(1))")
+            except Exception as exc:
+                print("report:", str(exc).splitlines()[0])
+            print("while B imports:", _forkstart._state["b"] is not None and not _forkstart.second_server_ready(),
+                  "seconds", round(time.monotonic() - t0, 1))
+            print("next call:", c.run("rank"))
+    else:                       # B imports torch._dynamo, as it does in a lesson
+        with Cluster(world_size=2, backend="gloo") as c:
+            a = forkserver._forkserver._forkserver_pid
+            print("first cluster from A:", [p == a for p, _ in c.run(PARENT)])
+        wait_for_b()
+        b = _forkstart._state["b"]["process"].pid
+        with Cluster(world_size=2, backend="gloo") as c:
+            print("then from B, with torch._dynamo:", c.run(PARENT) == [(b, True)] * 2)
+        os.environ["TORCHDYNAMO_VERBOSE"] = "1"   # what torch._dynamo reads when it loads: B read another value
+        with Cluster(world_size=2, backend="gloo") as c:
+            print("a changed TORCHDYNAMO_ variable, from A without it:", c.run(PARENT) == [(a, False)] * 2,
+                  "and it is read:", c.run("import torch._dynamo\\ntorch._dynamo.config.verbose"))
+        del os.environ["TORCHDYNAMO_VERBOSE"]
+        with Cluster(world_size=2, backend="gloo") as c:
+            print("back to B:", c.run(PARENT) == [(b, True)] * 2,
+                  c.run("import torch._dynamo\\ntorch._dynamo.config.verbose"))
+""")
+
+
+@pytest.mark.parametrize("case", ["slow", "dynamo"])
+def test_the_first_fork_server_never_imports_and_the_second_serves_once_ready(tmp_path, case):
+    """Issue 41: A (torch) serves at once; after a cluster started, A forks B, which imports _forkstart.LATER while
+    A goes on forking and reaping. "slow": B imports a module that sleeps 60 s; a rank forked from A dies with
+    code 3 meanwhile: the report names the code (A reaped it at once; when A itself imported, the code came 6 s late
+    or, past EXIT_CODE_S, never) while B is still importing. "dynamo": the first cluster comes from A, the next
+    from B with torch._dynamo; a TORCHDYNAMO_ variable changed after B imported sends ranks to A, which read it."""
+    if not _forkstart.wanted():
+        pytest.skip("the ranks start as fresh interpreters here (COURSE_UTILS_START=spawn)")
+    (tmp_path / "slow_import_probe.py").write_text("import time\ntime.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", TWO_SERVERS, str(tmp_path), case], capture_output=True, text=True,
+                          timeout=240, env=CHILD_ENV, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if case == "slow":
+        assert "report: rank 1 died: it exited with code 3." in proc.stdout, proc.stdout + proc.stderr
+        assert "while B imports: True" in proc.stdout, proc.stdout + proc.stderr
+        assert "next call: [0, 1]" in proc.stdout, proc.stdout
+    else:
+        for line in ["first cluster from A: [True, True]", "then from B, with torch._dynamo: True",
+                     "a changed TORCHDYNAMO_ variable, from A without it: True and it is read: [True, True]",
+                     "back to B: True [False, False]"]:
+            assert line in proc.stdout, f"expected {line!r} in:\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
+def test_a_dead_ranks_exit_code_is_read_before_its_server_reaps_it():
+    """A forked rank's parent is a fork server; until that server reaps it, /proc keeps its wait status
+    (_forkstart.zombie_exit_code), so a busy server no longer delays the report of a death (issue 41)."""
+    import signal
+    import time
+
+    for how, expected in [("exit 3", 3), ("exit 0", 0), ("SIGKILL", -9)]:
+        pid = os.fork()
+        if pid == 0:
+            if how != "SIGKILL":
+                os._exit(expected)
+            time.sleep(60)
+            os._exit(1)
+        try:
+            if how == "SIGKILL":
+                assert _forkstart.zombie_exit_code(pid) is None, "a running process has no exit code"
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (code := _forkstart.zombie_exit_code(pid)) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert code == expected, f"{how}: read {code} from /proc, expected {expected}"
+        finally:
+            os.waitpid(pid, 0)
+        assert _forkstart.zombie_exit_code(pid) is None, "once reaped, the pid may be another process's"
+
+
 # -- 3 and 4. what a fresh interpreter would have ---------------------------------------------------
 def test_every_rank_and_every_restart_draws_its_own_random_state(make_cluster):
     c = make_cluster(2, timeout=30)

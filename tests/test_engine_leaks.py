@@ -64,6 +64,26 @@ def test_new_groups_and_recoveries_leave_fds_and_threads_flat(make_cluster):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts fds in /proc")
+def test_three_hundred_new_group_destroy_pairs_in_one_cell_fit_in_1024_fds(make_cluster):
+    """Issue 41: groups were freed only between cells, so one cell's loop of 300 pairs ran out of fds at the usual
+    limit of 1024 ("epoll_create: Too many open files", 4-5 fds a group). A destroy now frees the earlier ones."""
+    c = make_cluster(2, timeout=240)
+    got = c.run("import os, resource, torch, torch.distributed as dist\n"
+                "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+                "resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))\n"
+                "try:\n"
+                "    for i in range(300):\n"
+                "        g = dist.new_group([0, 1])\n"
+                "        dist.destroy_process_group(g)\n"
+                "finally:\n"
+                "    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))\n"
+                "t = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), len(os.listdir('/proc/self/fd')))")
+    for r, (total, fds) in enumerate(got):
+        assert total == 2.0, got
+        assert fds < 200, f"rank {r} holds {fds} fds after 300 pairs: the destroyed groups were not freed"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts fds in /proc")
 def test_a_group_the_learner_still_holds_is_kept_until_dropped(make_cluster):
     c = make_cluster(2, timeout=60)
     c.run("import torch, torch.distributed as dist\nheld = dist.new_group([0, 1])\ndist.destroy_process_group(held)")

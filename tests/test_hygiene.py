@@ -70,7 +70,7 @@ def test_executed_in_order_from_a_fresh_kernel(path):
 
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from execute_notebooks import kernelspec  # noqa: E402  (scripts/ is not a package; make notebooks stores this)
+from execute_notebooks import drop_blanked_status_lines, kernelspec  # noqa: E402  (scripts/ is not a package)
 
 KERNELSPEC = kernelspec()
 
@@ -97,6 +97,21 @@ def test_outputs_are_checkable_by_nbval(path):
                     f"{path.name}: cell {i} has an output nbval cannot check (no text/plain): {sorted(data)}")
             assert "application/vnd.jupyter.widget-state+json" not in data, (
                 f"{path.name}: cell {i} stores widget state")
+            # a checker's live status line, blanked when its call ended: nbval's run never shows one
+            assert data != {"text/plain": ""}, (
+                f"{path.name}: cell {i} stores a blanked status line; scripts/execute_notebooks.py drops them")
+
+
+def test_re_execution_drops_blanked_status_lines_and_keeps_everything_else():
+    import nbformat
+
+    kept = [nbformat.v4.new_output("stream", name="stdout", text="[rank 0] 4\n"),
+            nbformat.v4.new_output("display_data", data={"text/plain": "<Figure>", "image/png": "iVBOR"})]
+    cell = nbformat.v4.new_code_cell("check(answer)")
+    cell.outputs = [kept[0], nbformat.v4.new_output("display_data", data={"text/plain": ""}), kept[1]]
+    nb = nbformat.v4.new_notebook(cells=[cell, nbformat.v4.new_markdown_cell("text")])
+    drop_blanked_status_lines(nb)
+    assert nb.cells[0].outputs == kept, nb.cells[0].outputs
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=_id)

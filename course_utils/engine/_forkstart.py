@@ -6,6 +6,12 @@ initialises CUDA or runs parallel work. A rank forked from it starts in a fracti
 instead of paying ``import torch`` again. Per-rank settings that libraries read when they load
 (the OpenMP thread count) are applied after the fork, with ``torch.set_num_threads``.
 
+Two servers (issue 41). A, started first, serves at once with torch imported. Once a cluster has started, A forks
+B (an ordinary process of A's), which imports what ranks would otherwise import at their first optimizer or DDP
+(``LATER``: torch._dynamo) while A goes on forking and reaping; from the moment B says it is ready, new ranks are
+forked from B. Each server reaps its own children and reports their exit codes at once: neither ever imports on
+the thread that serves forks.
+
 ``COURSE_UTILS_START=spawn`` starts every rank as a fresh interpreter instead (the fallback the
 engine also takes, with a note, when the server cannot start).
 """
@@ -22,23 +28,24 @@ import threading
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn",
            "cloudpickle",
            "course_utils.engine._wire", "course_utils.engine._worker", "course_utils.engine._forkstart"]
-# Imported by the server once it has served and no request came for IDLE_S: off the first start's critical
-# path (about 1 s idle, up to 4 s under load), and on the server's only thread, between two forks, so that
-# no rank is ever forked in the middle of an import. A rank forked later has it for free (each rank's first
-# optimizer or DDP would pay it); one forked before imports it when its code first needs it.
+# Imported by a second server (B), never by the first (A): B is forked from A once a cluster has started, imports
+# these while A goes on forking and reaping, and serves every rank asked for once it says it is ready. A rank forked
+# from B has them for free (each rank's first optimizer or DDP would pay for them); one forked from A imports them
+# when its code first needs them. A never imports on the thread that serves forks: while it imported, it neither
+# forked nor reaped (issue 41: a dead rank's exit code came 5-7 s late, a new cluster waited seconds).
 LATER = ["torch._dynamo"]
-IDLE_S = 0.2
+# Environment variables that torch._dynamo (and what it imports) reads when it is imported: a rank whose
+# environment differs from B's in one of them is forked from A, so that it reads its own when it imports them.
+LATER_READS = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_LOGS", "PYTORCH_")
 
 _SERVER_OF = "COURSE_UTILS_FORK_SERVER_OF"
 _lock = threading.RLock()
 
 
-def _end_with_the_notebook():
-    """In the fork server: end when the notebook process does, even if a child of the notebook still
-    holds the pipe that multiprocessing watches; the ranks then see their parent gone and end too."""
+def _end_with_the_parent(parent):
+    """In a fork server: end when its parent (the notebook process for A, A for B) does, even if a child of the
+    notebook still holds the pipe that multiprocessing watches; the ranks then see their parent gone and end too."""
     import time
-
-    parent = int(os.environ.pop(_SERVER_OF))
 
     def watch():
         while os.getppid() == parent:
@@ -48,46 +55,16 @@ def _end_with_the_notebook():
     threading.Thread(target=watch, name="course_utils-server-watchdog", daemon=True).start()
 
 
-def _import_when_idle():
-    """In the server: multiprocessing's forkserver loop waits in selectors.DefaultSelector().select() with no
-    timeout; its selector waits IDLE_S instead while LATER has modules, and imports the next one when nothing
-    came. Only the server's own selector: the class is put back as soon as it is made."""
-    import gc
-    import selectors
-
-    original = selectors.DefaultSelector
-
-    class IdleImports(original):
-        def __init__(self, *args, **kwargs):
-            selectors.DefaultSelector = original  # the ranks (forked from here) get the real one
-            super().__init__(*args, **kwargs)
-
-        def select(self, timeout=None):
-            while timeout is None and _later:
-                ready = super().select(IDLE_S)
-                if ready:
-                    return ready
-                try:
-                    __import__(_later.pop(0))
-                except ImportError:
-                    pass
-                gc.freeze()  # as after the preload
-            return super().select(timeout)
-
-    _later = list(LATER)
-    selectors.DefaultSelector = IdleImports
-
-
 if os.environ.get(_SERVER_OF) and multiprocessing.parent_process() is None and os.getppid() == int(
         os.environ[_SERVER_OF]):
-    _end_with_the_notebook()
-    _import_when_idle()
+    _end_with_the_parent(int(os.environ.pop(_SERVER_OF)))
     import gc
 
     # In the server, after the preload (this module comes last): its ~280k objects (torch) are never
     # collected in the ranks, so their gc passes stay cheap and touch none of the shared pages.
     gc.freeze()
-_state = {"ctx": None, "failed": None, "noted": False, "restarted": False}
+_state = {"ctx": None, "failed": None, "noted": False, "restarted": False,
+          "b": None}  # the second server: {"address", "alive_w", "ready_r", "process", "env", "ready"}
 
 
 @contextlib.contextmanager
@@ -159,6 +136,7 @@ def restart(reason):
     """The server failed to fork a rank (it died, e.g. killed): start a new one, once per process, and
     return its context; after that, or if the restart fails, fall back to fresh interpreters (None)."""
     with _lock:
+        _drop_second_server()
         if _state["ctx"] is not None and not _state["restarted"]:
             _state["restarted"] = True
             try:
@@ -202,12 +180,119 @@ def _reap_dying_server(wait_s=2.0):
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
 
 
+def _serve_b(listener, alive_r, ready_w, env, later):
+    """Server B, a process forked by A: import ``later`` (LATER) with the notebook's environment of the moment, say
+    so on ``ready_w``, then serve forks as multiprocessing's forkserver does (its own loop: forks, reaps its children,
+    writes their exit codes). It ends when the notebook closes ``alive_r``'s other end or when A ends."""
+    import gc
+
+    from multiprocessing import forkserver
+
+    os.environ.clear()
+    os.environ.update(env)
+    _end_with_the_parent(os.getppid())
+    for name in later:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    gc.freeze()  # as A does after its preload
+    os.write(ready_w, b"1")
+    os.close(ready_w)
+    forkserver.main(listener, alive_r, [])
+
+
+def _later_env(env):
+    return {k: v for k, v in env.items() if k.startswith(LATER_READS)}
+
+
+def start_second_server():
+    """Once a cluster has started from A: fork server B from A (milliseconds), which imports LATER on its own while
+    A keeps serving. Does nothing when B runs already, when the ranks are fresh interpreters, or when it fails."""
+    import socket
+    from multiprocessing import connection, util
+
+    with _lock:
+        ctx = _state["ctx"]
+        if ctx is None or _state["b"] is not None:
+            return
+        fds = []
+        try:
+            address = connection.arbitrary_address("AF_UNIX")
+            with socket.socket(socket.AF_UNIX) as listener:
+                listener.bind(address)
+                if not util.is_abstract_socket_namespace(address):
+                    os.chmod(address, 0o600)
+                listener.listen()
+                alive_r, alive_w = os.pipe()
+                ready_r, ready_w = os.pipe()
+                fds = [alive_r, alive_w, ready_r, ready_w]
+                env = dict(os.environ)
+                process = ctx.Process(target=_serve_b, name="course_utils fork server B", daemon=True,
+                                      args=(_Fd(listener.fileno()), _Fd(alive_r), _Fd(ready_w), env, list(LATER)))
+                with _without_main():
+                    process.start()  # through A: the globals of multiprocessing's forkserver point at A here
+            for fd in (alive_r, ready_w):
+                os.close(fd)
+            os.set_blocking(ready_r, False)
+            _state["b"] = {"address": address, "alive_w": alive_w, "ready_r": ready_r, "process": process,
+                           "env": _later_env(env), "ready": False}
+        except Exception:  # B is an optimisation: A serves every rank without it
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def second_server_ready():
+    """Whether B has imported LATER and serves (it said so on its pipe). Call with _lock held or from tests."""
+    b = _state["b"]
+    if b is None:
+        return False
+    if not b["ready"]:
+        try:
+            b["ready"] = os.read(b["ready_r"], 1) == b"1"
+        except BlockingIOError:
+            return False
+        except OSError:
+            return False
+    return b["ready"]
+
+
+def _drop_second_server():
+    """Forget B (dead, or its requests failed); closing its alive pipe ends it if it still runs."""
+    b, _state["b"] = _state["b"], None
+    if b is not None:
+        for fd in (b["alive_w"], b["ready_r"]):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@contextlib.contextmanager
+def _served_by(env):
+    """While a rank starts: multiprocessing's forkserver globals point at B when B is ready and ``env`` agrees with
+    B's in what LATER reads, else at A (as they are the rest of the time: ensure_running checks A)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    b = _state["b"]
+    if b is None or not second_server_ready() or _later_env(env) != b["env"] or b["process"].exitcode is not None:
+        yield "A"
+        return
+    a = (server._forkserver_address, server._forkserver_alive_fd)
+    server._forkserver_address, server._forkserver_alive_fd = b["address"], b["alive_w"]
+    try:
+        yield "B"
+    finally:
+        server._forkserver_address, server._forkserver_alive_fd = a
+
+
 def stop():
     """End the fork server (the extension's unload does, after the clusters are shut down): the next
     cluster starts a new one, which reads the environment and the installed packages afresh."""
     from multiprocessing import forkserver
 
     with _lock:
+        _drop_second_server()
         server = forkserver._forkserver
         try:
             if getattr(server, "_forkserver_pid", None) is not None:
@@ -259,7 +344,15 @@ class ForkedProcess:
         self._p = ctx.Process(target=_rank_main, args=(env, {k: _Fd(v) for k, v in fds.items()}, threads),
                               name=f"rank {env['RANK']}", daemon=True)  # daemon: mp ends it at exit
         with _lock, _without_main():
-            self._p.start()
+            with _served_by(env) as server:
+                try:
+                    self._p.start()
+                except Exception:
+                    if server != "B":
+                        raise
+                    _drop_second_server()  # B is gone: A serves, as before B was ready
+                    self._p = ctx.Process(target=_rank_main, args=self._p._args, name=self._p.name, daemon=True)
+                    self._p.start()
         self.pid = self._p.pid
         self.returncode = None
 
@@ -269,6 +362,8 @@ class ForkedProcess:
             if code is not None:
                 self.returncode = code
                 self._p.close()  # the sentinel's fd
+            else:  # dead but not reaped yet (its server is busy): the kernel keeps the code until then
+                self.returncode = zombie_exit_code(self.pid)
         return self.returncode
 
     def wait(self, timeout=None):
@@ -284,6 +379,27 @@ class ForkedProcess:
                 os.kill(self.pid, 9)
             except OSError:
                 pass
+
+
+def zombie_exit_code(pid):
+    """The exit code of ``pid`` as Popen gives it (negative: the signal), read from /proc while the process is a
+    zombie that its parent has not reaped yet: field 52 of /proc/PID/stat holds its wait status (Linux 3.5+).
+    None while any of its threads runs, once it is reaped, or where there is no /proc. A rank's death is then
+    reported with its code whatever its server is doing (issue 41: a server that imported reported it 6 s late)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return None
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3 (the state)
+    except (OSError, IndexError):
+        return None
+    if not tasks or fields[0] not in ("Z", "X") or len(fields) < 50:
+        return None
+    status = int(fields[49])
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
 
 def _rank_main(env, fds, threads):

@@ -289,7 +289,8 @@ def release_collective_waits(worker):
 
 def free_destroyed_groups():
     """Free the kept groups that torch destroyed before the previous safe point and that nothing else
-    holds from Python; called on the main thread before each command from the notebook.
+    holds from Python; called on the main thread before each command from the notebook, and after each
+    destroy_process_group(group) a cell calls (then the safe points are the destroys themselves).
 
     A group destroyed during one command is freed two commands later at the earliest: its works ended
     long before, the rank's threads waited for the notebook in between (gloo's workers got the GIL), and
@@ -493,7 +494,14 @@ class Worker:
 
         def destroy_process_group(group=None):
             if group is not None and group is not dist.GroupMember.WORLD:
-                return worker.original["destroy"](group)
+                worker.original["destroy"](group)
+                # groups destroyed by earlier calls are freed here too, not only between cells: 300 new_group/
+                # destroy pairs in one cell ran out of fds (issue 41). This one waits for the next call or cell;
+                # sleep(0) first lets gloo's threads take the GIL and end what they were finishing.
+                if threading.current_thread() is threading.main_thread():
+                    time.sleep(0)
+                    free_destroyed_groups()
+                return None
             _note("destroy_process_group(): kept the process group for the next cell.")
 
         for module in (dist, c10d):

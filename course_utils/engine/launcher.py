@@ -34,8 +34,8 @@ RELEASE_S = 5.0        # how long an abort may take before the ranks are replace
 REABORT_S = 0.5        # while it waits, a rank still busy is sent the abort again this often
 DEAD_TOGETHER_S = 2.0  # after a rank dies, how long the report waits at most for others that die with it;
 BLOCKED_SAMPLES = 2    # it stops sooner once every live rank is seen blocked this many times in a row (_blocked)
-EXIT_CODE_S = 10.0     # a dead forked rank's exit code comes from the fork server, which reaps it: on a loaded
-                       # machine it can be seconds late (the server may be importing torch._dynamo, see _forkstart)
+EXIT_CODE_S = 10.0     # at most this long for a dead rank's exit code: a forked rank's comes from /proc at once
+                       # (_forkstart.zombie_exit_code), else from its server once it has reaped it (macOS)
 START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
 PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
 POLL_S = 0.1           # how often the loop asks the OS whether a rank exited
@@ -464,6 +464,7 @@ class Cluster:
             raise DistributedError(
                 f"the {self.world_size} ranks did not start ({len(ready)} ready).", "\n".join(lines))
         self.pids = [ready[r]["pid"] for r in range(self.world_size)]
+        _forkstart.start_second_server()  # once: the server that has torch._dynamo too (see _forkstart.LATER)
 
     def restart(self):
         """Replace every rank with a fresh one: all names defined on the ranks are gone."""
