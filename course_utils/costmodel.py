@@ -326,7 +326,53 @@ def _median(values):
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
-def agreement(rows, predictions, band=2.0):
+def allreduce_spread(in_step, alone, compute, n_bytes, repeats):
+    """Why the same all-reduce takes different times in lesson 10's steps, in one line of Markdown.
+
+    Per configuration (medians over ``repeats``, seconds): ``in_step``, the step's all-reduce (``step_phases``'s
+    ``comm``); ``alone``, the same bytes all-reduced from a common start right after each of those steps, with no
+    compute before it; ``compute``, the step's compute. The alone times say what the all-reduce costs on this
+    machine in this run, whatever the configuration: if they spread as much as the in-step ones, the spread is the
+    machine's noise; if the in-step ones sit above them, the step around the all-reduce slows it, and ``beside``
+    (how much more in the half of the configurations with the most compute) says whether the compute does.
+    Returns ``(facts, text)``. Introduced in 10_tradeoffs."""
+    n = len(in_step)
+    ratios = [s / a for s, a in zip(in_step, alone)]
+    order = sorted(range(n), key=lambda i: compute[i])
+    light, heavy = order[:n // 2], order[n - n // 2:]
+    facts = {"ratio": _median(ratios), "spread_in": max(in_step) / min(in_step),
+             "spread_alone": max(alone) / min(alone),
+             "beside": _median([ratios[i] for i in heavy]) / _median([ratios[i] for i in light])}
+    ms = lambda ts: f"{min(ts) * 1e3:.1f} to {max(ts) * 1e3:.1f} ms"  # noqa: E731
+    text = (f"the same {n_bytes / 1e6:.1f} MB all-reduce took {ms(in_step)} inside the steps and {ms(alone)} timed "
+            f"alone, right after each step (medians of {repeats}). ")
+    if facts["ratio"] >= 1.3:
+        text += (f"Inside a step it took **{facts['ratio']:.1f}x** as long as alone (median over the configurations): "
+                 "the bytes are the same, so the time comes from what runs just before it in a step. ")
+    elif facts["ratio"] <= 1 / 1.3:
+        text += (f"Inside a step it took {facts['ratio']:.1f}x as long as alone (median over the configurations): "
+                 "faster, so nothing in the step slowed it down. ")
+    else:
+        text += (f"Inside a step it took about as long as alone ({facts['ratio']:.1f}x, median over the "
+                 "configurations): the step around it adds little. ")
+    if facts["spread_alone"] * 1.25 >= facts["spread_in"]:
+        text += (f"Alone, it spread as much ({facts['spread_alone']:.1f}x from its fastest configuration to its "
+                 f"slowest, {facts['spread_in']:.1f}x in the steps): the spread is this machine's noise (other "
+                 "processes, the scheduler, gloo's threads waking up), not the configuration.")
+    elif facts["beside"] >= 1.3:
+        text += (f"Alone it spread less ({facts['spread_alone']:.1f}x, against {facts['spread_in']:.1f}x in the "
+                 f"steps), and beside the larger computes it slowed most: in the half of the configurations with "
+                 f"the most compute its in-step / alone ratio was **{facts['beside']:.1f}x** the other half's (the "
+                 "compute had just filled the caches with activations and kept the cores busy).")
+    else:
+        text += (f"Alone it spread less ({facts['spread_alone']:.1f}x, against {facts['spread_in']:.1f}x in the "
+                 f"steps), but not with the size of the compute beside it (in-step / alone {facts['beside']:.1f}x "
+                 "in the half with the most compute against the other half): the step adds time at random, as a "
+                 "busy machine does.")
+    return facts, text
+
+
+def agreement(rows, predictions, band=2.0, alone=None):
     """Compare measured phases with the model's, and say what the comparison shows, in Markdown.
 
     ``rows``: dicts with measured ``compute``, ``comm``, ``update`` (``step_phases``) and the
@@ -334,7 +380,8 @@ def agreement(rows, predictions, band=2.0):
     for each. Returns ``(facts, text)``: ``facts`` holds the counts and median ratios the text is
     built from, so the sentences always follow this run's numbers. ``text`` is one line, which the
     notebook shows after "Measured here:" (tests/sanitize.cfg's rule for sentences chosen from timings).
-    Introduced in 10_tradeoffs."""
+    ``alone``: the median seconds of the same all-reduce timed alone in the same run (``allreduce_spread``),
+    compared with the model's all-reduce. Introduced in 10_tradeoffs."""
     ratios = [(r["compute"] + r["comm"] + r["update"]) / p.total for r, p in zip(rows, predictions)]
     phase = {
         "compute": _median([r["compute"] / p.compute for r, p in zip(rows, predictions)]),
@@ -380,6 +427,20 @@ def agreement(rows, predictions, band=2.0):
         text += (" Also, the measured phases are medians over repeated steps, while the calibration kept the "
                  "best run of each phase separately (a median is never below the best), which by itself can put "
                  "points above the diagonal on a busy machine.")
+    if alone is not None:
+        model_comm = _median([p.comm for p in predictions])
+        facts["alone_vs_model"] = alone / model_comm
+        text += f" The all-reduce timed alone in section 3 took {alone * 1e3:.1f} ms (median), "
+        if facts["alone_vs_model"] >= 1.5:
+            text += (f"{facts['alone_vs_model']:.1f}x the model's {model_comm * 1e3:.1f} ms: the model keeps the best "
+                     "of 7 back-to-back all-reduces of each size, and on this machine a typical one takes longer, "
+                     "before any step adds to it.")
+        elif facts["alone_vs_model"] <= 1 / 1.5:
+            text += (f"{facts['alone_vs_model']:.1f}x the model's {model_comm * 1e3:.1f} ms: faster than the model, "
+                     "whose fit on the sweep from 1 KiB to 8 MiB overestimates this size.")
+        else:
+            text += (f"close to the model's {model_comm * 1e3:.1f} ms ({facts['alone_vs_model']:.1f}x): the model fits "
+                     "the all-reduce itself; what a step adds around it is not in the model.")
     return facts, text
 
 

@@ -336,7 +336,7 @@ class PowerSGD:
     its state by ``bucket.index()``, and DDP's rebuild after the first iteration changes what each index holds,
     while MicroDDP keys it by parameter name, so ``warmup_steps=0`` is safe for the state (11_capstone_micro_ddp
     passes it to show one compressed backward). The second still holds: compressing the very first, large
-    gradients can cost accuracy, so for real training keep a warm-up (``PowerSGD(rank=2, warmup_steps=10)``).
+    gradients can cost accuracy, so for real training keep the default warm-up of 2 (or pass a longer one).
     """
 
     name = "powersgd"
@@ -486,3 +486,91 @@ def plot_timeline(events, title="One backward pass: bucket all-reduces overlap t
     fig.tight_layout()
     plt.show()
     plt.close(fig)
+
+
+# -- reading a recorded backward (11_capstone_micro_ddp's "Going further": overlap on a timeline) --------------
+
+def timeline_facts(events):
+    """What one backward recorded by ``MicroDDP.events`` shows, in ms since backward started (as ``plot_timeline``
+    draws it): ``backward_ms`` (the blue bar: until ``finish`` ran), ``last_grad_ms`` (the last white tick),
+    ``launch_ms`` (when each bucket's all-reduce started, by bucket), ``early`` (how many of them started before the
+    last gradient was ready), ``wait_ms`` (from the end of backward until every bucket was in: the dashed line to
+    the end of the last bar) and ``total_ms``."""
+    t0 = next(t for what, _, t in events if what == "backward start")
+    first = {}
+    for what, b, t in events:
+        first.setdefault((what, b), (t - t0) * 1e3)
+    last_grad = max((t - t0) * 1e3 for what, _, t in events if what == "grad ready")
+    launches = [first[key] for key in sorted(k for k in first if k[0] == "launch")]
+    end, synced = first[("backward end", None)], first[("synced", None)]
+    return {"backward_ms": end, "last_grad_ms": last_grad, "launch_ms": launches,
+            "early": sum(t < last_grad for t in launches), "wait_ms": synced - end, "total_ms": synced}
+
+
+def median_backward(timelines):
+    """Of an odd number of recorded backwards (``MicroDDP.events`` lists), the one whose wait after backward is the
+    median: a backward that really happened, so that its plot shows the very numbers printed beside it (the median
+    of an even number is the mean of two backwards, and "the median backward by duration" is another backward)."""
+    if len(timelines) % 2 == 0:
+        raise ValueError(f"median_backward needs an odd number of backwards, got {len(timelines)}")
+    return sorted(timelines, key=lambda events: timeline_facts(events)["wait_ms"])[len(timelines) // 2]
+
+
+def overlap_verdict(rebuilt, guess, n_backwards):
+    """Two sentences about the plotted backwards (``timeline_facts`` of each layout's ``median_backward``): what
+    the plots show, and whether starting early made the wait after backward shorter. Chosen from the numbers, as
+    one line each for "Measured here:". Introduced in 11_capstone_micro_ddp."""
+
+    def started(facts, layout):
+        if facts["early"] == 0:
+            return (f"with the {layout} layout no bucket's all-reduce started before backward's last gradient (the "
+                    "last white tick)")
+        lead = facts["last_grad_ms"] - facts["launch_ms"][0]
+        return (f"with the {layout} layout {facts['early']} of {len(facts['launch_ms'])} buckets started before "
+                f"backward's last gradient, the first {lead:.1f} ms before it")
+
+    plots = f"in the plots, {started(guess, 'guessed')}; {started(rebuilt, 'rebuilt')}."
+    if guess["early"] == 0 < rebuilt["early"]:
+        plots += (" The guessed layout's bucket 0 waited for `embed`, the last gradient, and the later buckets for "
+                  "bucket 0; the rebuilt layout's buckets follow the order the gradients arrived in.")
+    numbers = (f"the wait after backward: {rebuilt['wait_ms']:.1f} ms rebuilt, {guess['wait_ms']:.1f} ms guessed; "
+               f"that backward {rebuilt['total_ms'] / guess['total_ms']:.2f}x the guessed one's; each plotted "
+               f"backward is the median of {n_backwards} by its wait")
+    shorter = 1 - rebuilt["wait_ms"] / guess["wait_ms"] if guess["wait_ms"] > 0 else 0.0
+    if rebuilt["wait_ms"] < 0.8 * guess["wait_ms"]:
+        verdict = (f"with the rebuilt buckets the wait after backward was {100 * shorter:.0f}% shorter ({numbers}): "
+                   "part of the communication was done by the time backward ended.")
+    elif rebuilt["wait_ms"] <= 1.25 * guess["wait_ms"]:
+        verdict = (f"the wait after backward was about as long with the rebuilt buckets as with the guessed ones "
+                   f"({numbers}): the all-reduces started earlier, but on shared CPU cores they did not finish "
+                   "earlier.")
+    else:
+        verdict = (f"with the rebuilt buckets the wait after backward was "
+                   f"{100 * (rebuilt['wait_ms'] / guess['wait_ms'] - 1):.0f}% longer ({numbers}): on shared CPU "
+                   "cores the early all-reduces competed with backward for the cores.")
+    return plots[0].upper() + plots[1:], verdict
+
+
+# -- 09_compression's "Going further": torch's powerSGD_hook with several buckets on gloo ------------------------
+
+def describe_gloo_failure(error, rank_logs, deadline_s):
+    """What became of a run that can deadlock or mismatch its collectives, in one line for "Measured here:".
+
+    ``error``: what ``Cluster.run`` raised (None if the run finished); ``rank_logs``: each rank's stderr (what gloo
+    prints before it aborts a process) as text, by rank; ``deadline_s``: the run's timeout. Which failure happens
+    depends on how the ranks' threads were scheduled, so the sentence is chosen from the outcome.
+    Introduced in 09_compression."""
+    from course_utils.engine.reports import DistributedTimeout
+
+    if error is None:
+        return ("the run finished: this time the ranks' gloo threads happened to issue the collectives in the same "
+                "order (run it again).")
+    if isinstance(error, DistributedTimeout):
+        return (f"both ranks hung in `backward()`, each waiting in a collective the other never joined (a deadlock), "
+                f"until the run's {deadline_s:.0f} s deadline released them.")
+    mismatch = sorted(r for r, text in rank_logs.items() if "doesn't match expected size" in text)
+    if mismatch:
+        return (f"gloo aborted rank {mismatch[0]}: \"Received data size doesn't match expected size. Is there a "
+                "distributed collective mismatch in your code?\": the ranks' n-th collectives were different "
+                "all-reduces.")
+    return "a rank failed: " + str(error).splitlines()[0]

@@ -570,3 +570,75 @@ def test_resume_at_4_ranks_with_the_bucket_order_is_bit_exact(cluster4):
     this stop's CI and here: the layout does not change gloo's sums at this size, so no test claims it does.)"""
     kept = cluster4.run(_resume_at_4_ranks, "powersgd", True)
     assert kept == [0.0] * 4, f"with the saved bucket order the resumed run must be bit-identical: {kept}"
+
+
+def _timeline(grads_ms, launches_ms, end_ms, synced_ms):
+    """A MicroDDP.events list: backward starts at 1.0 s; times in ms after it."""
+    t0 = 1.0
+    events = [("backward start", None, t0)]
+    events += [("grad ready", 0, t0 + g / 1e3) for g in grads_ms]
+    events += [("launch", b, t0 + t / 1e3) for b, t in enumerate(launches_ms)]
+    events += [("backward end", None, t0 + end_ms / 1e3), ("synced", None, t0 + synced_ms / 1e3)]
+    return sorted(events, key=lambda e: e[2])
+
+
+def test_the_plotted_backward_is_the_one_the_printed_numbers_describe():
+    """Issue 42: lesson 11 plotted the median backward by DURATION (waits 2.2 and 8.9 ms) under numbers that were
+    per-column medians of 8 (7.8 and 10.2 ms), and said "every orange bar starts at the end of the blue bar" while
+    the plot's bucket 0 started at 6.5 ms and the blue bar ended at 8.6 ms."""
+    from course_utils.micro_ddp import median_backward, overlap_verdict, timeline_facts
+
+    grads = [0.5 * i for i in range(1, 13)]                    # the last gradient at 6.0 ms
+    # the guessed layout: every bucket launched in the last gradient's hook, backward's end (finish) at 8.6 ms
+    guessed = [_timeline(grads, [6.5, 6.6, 6.7, 6.8], 8.6, 8.6 + wait) for wait in (8.9, 9.5, 10.2, 11.0, 12.0)]
+    # the shortest backward overall has a short wait: "the median by duration" would be another backward
+    guessed.append(_timeline(grads, [6.5, 6.6, 6.7, 6.8], 8.6, 8.6 + 2.2))
+    guessed.append(_timeline(grads, [6.5, 6.6, 6.7, 6.8], 8.6, 8.6 + 10.5))
+    rebuilt = [_timeline(grads, [1.0, 3.0, 6.1, 6.2], 7.0, 7.0 + wait) for wait in (5.0, 6.0, 7.8, 8.0, 9.0, 1.0, 7.0)]
+    import statistics
+
+    picked = {"guess": median_backward(guessed), "rebuilt": median_backward(rebuilt)}
+    facts = {name: timeline_facts(events) for name, events in picked.items()}
+    assert facts["guess"]["wait_ms"] == pytest.approx(statistics.median([8.9, 9.5, 10.2, 11.0, 12.0, 2.2, 10.5]))
+    assert facts["rebuilt"]["wait_ms"] == pytest.approx(statistics.median([5.0, 6.0, 7.8, 8.0, 9.0, 1.0, 7.0]))
+    assert facts["guess"]["early"] == 0 and facts["rebuilt"]["early"] == 2, facts
+    assert facts["guess"]["launch_ms"][0] < facts["guess"]["backward_ms"], "bucket 0 starts before the blue bar ends"
+    plots, verdict = overlap_verdict(facts["rebuilt"], facts["guess"], n_backwards=7)
+    assert "end of the blue bar" not in plots and "no bucket's all-reduce started before backward's last" in plots
+    assert "2 of 4 buckets started before backward's last gradient" in plots, plots
+    assert f"{facts['rebuilt']['wait_ms']:.1f} ms rebuilt, {facts['guess']['wait_ms']:.1f} ms guessed" in verdict
+    assert "31% shorter" in verdict and "cannot" not in verdict, verdict   # 1 - 7.0 / 10.2
+    with pytest.raises(ValueError, match="odd number"):
+        median_backward(guessed[:6])
+
+
+@pytest.mark.parametrize("rebuilt_wait, expected", [(9.0, "about as long"), (13.0, "longer"), (5.0, "shorter")])
+def test_the_overlap_verdict_follows_the_waits(rebuilt_wait, expected):
+    from course_utils.micro_ddp import overlap_verdict, timeline_facts
+
+    grads = [0.5 * i for i in range(1, 13)]
+    guess = timeline_facts(_timeline(grads, [6.5, 6.6, 6.7, 6.8], 8.6, 8.6 + 9.4))
+    rebuilt = timeline_facts(_timeline(grads, [1.0, 3.0, 6.1, 6.2], 7.0, 7.0 + rebuilt_wait))
+    _, verdict = overlap_verdict(rebuilt, guess, n_backwards=9)
+    assert expected in verdict, verdict
+
+
+def test_the_gloo_failure_is_described_from_the_outcome():
+    """Lesson 09 runs torch's powerSGD_hook with 3 buckets on gloo: a deadlock or a collective mismatch, chosen by
+    thread timing (issue 42: it was a snippet that never ran). The sentence follows what happened."""
+    from course_utils import DistributedError, DistributedTimeout
+    from course_utils.micro_ddp import describe_gloo_failure
+
+    hung = describe_gloo_failure(DistributedTimeout("ranks 0, 1 did not finish within 5 s"), {0: "", 1: ""}, 5.0)
+    assert "deadlock" in hung and "5 s deadline" in hung and "abort" not in hung, hung
+    gloo_says = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+                 "pair.cc:456] op.preamble.length <= op.nbytes. 2048 vs 512. Received data size doesn't match "
+                 "expected size. Is there a distributed collective mismatch in your code?")
+    died = DistributedError("rank 1 died: it was killed by SIGABRT.")
+    aborted = describe_gloo_failure(died, {0: "", 1: gloo_says}, 5.0)
+    assert "aborted rank 1" in aborted and "collective mismatch" in aborted and "deadlock" not in aborted, aborted
+    other = describe_gloo_failure(DistributedError("rank 0 failed with ValueError: x\nmore"), {0: "", 1: ""}, 5.0)
+    assert other == "a rank failed: rank 0 failed with ValueError: x", other
+    assert "finished" in describe_gloo_failure(None, {}, 5.0)
+    for sentence in (hung, aborted, other):
+        assert "\n" not in sentence, "one line: the notebook's 'Measured here:' sanitiser covers a line"
