@@ -63,6 +63,7 @@ PLAN = [
     ("DDP hooks", "bf16_compress_hook on NCCL"),
     ("DDP hooks", "bf16_compress_hook with gloo on CUDA tensors"),
     ("debugging", "a Flight Recorder dump and a profiler trace of an NCCL all-reduce (lesson 16)"),
+    ("debugging", "the NCCL dump on <stem><rank>.pipe lands in $HOME/.cache/torch (lesson 16)"),
     ("fine-tuning", "finetune_lora.py on NCCL: DDP, FSDP2 over LoRA (lesson 15)"),
     ("lessons", "%%ddp cells that can run on NCCL: NCCL, world size min(-n, GPUs)"),
     ("lessons", "the same cells at their -n, gloo, every rank's device = cuda:0"),
@@ -463,6 +464,58 @@ def check_flight_recorder_and_trace(ctx):
                     f"completion time; trace: {', '.join(got['kernels'])[:120]}")
 
 
+# The NCCL dump lesson 16 describes: with TORCH_NCCL_DEBUG_INFO_PIPE_FILE=<stem>, writing to <stem><rank>.pipe makes
+# the process group's monitor thread dump the Flight Recorder to the default file, $XDG_CACHE_HOME/torch (else
+# $HOME/.cache/torch) + /comm_lib_trace_rank_<rank> (tests/test_debugging.py checks that path against 2.13's
+# DebugInfoWriter::getWriter on the CPU). argv: the stem, the expected dump file.
+NCCL_DUMP_SCRIPT = r"""
+import os, pickle, sys, time
+import torch, torch.distributed as dist
+stem, expected = sys.argv[1], sys.argv[2]
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda:0"))
+x = torch.ones(1 << 20, device="cuda:0")
+for _ in range(3):
+    dist.all_reduce(x)
+torch.cuda.synchronize()
+pipe = stem + "0.pipe"
+deadline = time.monotonic() + 30
+while not os.path.exists(pipe) and time.monotonic() < deadline:
+    time.sleep(0.1)
+with open(pipe, "w") as f:                       # a FIFO the monitor thread reads: any byte asks for a dump
+    f.write("1")
+while not os.path.exists(expected) and time.monotonic() < deadline:
+    time.sleep(0.2)
+time.sleep(1)                                     # let the writer finish the file
+entries = pickle.load(open(expected, "rb"))["entries"] if os.path.exists(expected) else None
+print("DUMP", os.path.exists(pipe), None if entries is None else [e["profiling_name"] for e in entries])
+dist.destroy_process_group()
+"""
+
+
+def check_nccl_dump_on_pipe(ctx):
+    """Lesson 16's NCCL dump facts on a GPU: the pipe file is <stem><rank>.pipe, and the dump lands at the default
+    path under $HOME/.cache/torch (XDG_CACHE_HOME unset, TORCH_NCCL_DEBUG_INFO_TEMP_FILE unset), not /tmp."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as home:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("XDG_CACHE_HOME", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")}
+        stem = os.path.join(home, "pipe_")
+        expected = os.path.join(home, ".cache", "torch", "comm_lib_trace_rank_0")
+        env.update(HOME=home, TORCH_NCCL_DEBUG_INFO_PIPE_FILE=stem)
+        result = subprocess.run([sys.executable, "-c", NCCL_DUMP_SCRIPT, stem, expected], capture_output=True,
+                                text=True, env=env, timeout=120)
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, f"exit code {result.returncode}: {out.strip()[-400:]}"
+        line = next((ln for ln in result.stdout.splitlines() if ln.startswith("DUMP ")), "")
+        assert line.startswith("DUMP True"), f"no {stem}0.pipe appeared: {out.strip()[-400:]}"
+        assert "nccl:all_reduce" in line, (f"writing to the pipe left no Flight Recorder dump at {expected} "
+                                           f"(the lesson's default path): {line or out.strip()[-400:]}")
+    ops = line[len("DUMP True "):][:100]
+    return PASSED, f"pipe_0.pipe -> $HOME/.cache/torch/comm_lib_trace_rank_0: {ops}"
+
+
 # ---- lesson 15's script on NCCL -------------------------------------------------------------------------------
 
 def check_finetune_script(ctx):
@@ -610,8 +663,8 @@ def check_notebook_process_cuda(ctx):
 
 CHECKS = [check_environment, check_nccl_world_1, check_error_on_nccl, check_stuck_on_gpu, check_two_ranks,
           check_gloo_cuda, check_micro_ddp_gloo_cuda, check_micro_ddp_nccl, check_micro_fsdp, check_bf16_nccl,
-          check_bf16_gloo, check_flight_recorder_and_trace, check_finetune_script, check_lessons_nccl,
-          check_lessons_gloo_cuda, check_notebook_process_cuda]
+          check_bf16_gloo, check_flight_recorder_and_trace, check_nccl_dump_on_pipe, check_finetune_script,
+          check_lessons_nccl, check_lessons_gloo_cuda, check_notebook_process_cuda]
 
 
 # ---- the table ----------------------------------------------------------------------------------------------

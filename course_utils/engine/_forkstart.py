@@ -355,14 +355,21 @@ class ForkedProcess:
                     self._p.start()
         self.pid = self._p.pid
         self.returncode = None
+        self._started = (_proc_stat(self.pid) or [None] * 20)[19]  # field 22: tells a reused pid apart
 
     def poll(self):
+        """The exit code, or None while the rank lives. Called before every call (Cluster.alive): where /proc
+        exists one read of /proc/PID/stat answers for a live rank (multiprocessing's own check builds a selector
+        each time, and the warm round trip is a millisecond)."""
         if self.returncode is None:
+            fields = _proc_stat(self.pid)
+            if fields and fields[0] not in ("Z", "X") and fields[19] == self._started:
+                return None  # running or asleep: alive
             code = self._p.exitcode
             if code is not None:
                 self.returncode = code
                 self._p.close()  # the sentinel's fd
-            else:  # dead but not reaped yet (its server is busy): the kernel keeps the code until then
+            elif fields and fields[0] in ("Z", "X"):  # dead, not reaped yet: the kernel keeps the code till then
                 self.returncode = zombie_exit_code(self.pid)
         return self.returncode
 
@@ -379,6 +386,16 @@ class ForkedProcess:
                 os.kill(self.pid, 9)
             except OSError:
                 pass
+
+
+def _proc_stat(pid):
+    """The fields of /proc/PID/stat after the command's name (the first is field 3, the state), or None where that
+    cannot be read (no /proc, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].decode().split()
+    except (OSError, IndexError):
+        return None
 
 
 def zombie_exit_code(pid):
