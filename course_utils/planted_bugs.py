@@ -45,11 +45,11 @@ BUG_STEP = 2
 LR = 0.1
 
 
-def _mystery(step, rank, world_size, grads, loss, stop):
-    """The exercise's job: the answer is not written here in words; the lesson's checker knows it."""
+def _mystery(step, steps, rank, grads, loss):
+    """The exercise's job: the answer is not written here in words; the lesson's checker reads it from the dumps."""
     dist.all_reduce(grads)
-    if step == BUG_STEP and rank == (world_size + 2) // 2:    # a rank that thinks training is over
-        dist.broadcast(stop, src=0)
+    if rank == 0 and step == steps - 1:       # a last report, which only rank 0 writes
+        dist.all_reduce(loss.clone())
     dist.all_reduce(loss)
 
 
@@ -82,7 +82,7 @@ def train(bug, steps=STEPS):
         if bug == "dead" and step == BUG_STEP and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if bug == "mystery":
-            _mystery(step, rank, world_size, grads, log, stop)
+            _mystery(step, steps, rank, grads, log)
         else:
             if bug == "order" and step == BUG_STEP and rank == 0:
                 dist.broadcast(stop, src=0)                       # rank 0 decides first ...

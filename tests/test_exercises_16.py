@@ -1,17 +1,22 @@
 """The self-checks of 16_debugging_and_profiling's exercises, fed the unmodified scaffold and typical wrong answers
 (each must fail with a reason a learner can act on) and the course's solution (which must pass). The Flight
-Recorder exercise is also checked against a real run of the mystery job: the checker's answer must be what the
-job's dumps say.
+Recorder exercise is checked against a real run of the mystery job: its answer must be the bug planted in
+``planted_bugs._mystery``, torch's analyzer must miss it (so that the exercise needs the learner's reading), and
+the checker's hints must say what the run's dumps say.
 
     .venv/bin/python -m pytest tests/test_exercises_16.py -p no:randomly
 """
 import contextlib
+import inspect
 import io
+import pickle
 
 import pytest
 
+from course_utils import planted_bugs
 from course_utils.checks import debugging as checks
-from course_utils.debugging import analyze, dump_entries, odd_one_out, run_job
+from course_utils.debugging import (analyze, analyzer_named, check_mystery_answer, dump_entries, odd_one_out,
+                                    read_dump, run_job)
 from exercise_helpers import notebook_cell, solution_off, verdict
 
 NOTEBOOK = "16_debugging_and_profiling.ipynb"
@@ -33,61 +38,92 @@ def mystery():
     return run_job("mystery", nproc=4)
 
 
+def _planted_lines():
+    """The lines of planted_bugs.py of ``_mystery``'s extra all-reduce and of its loss all-reduce."""
+    source, first = inspect.getsourcelines(planted_bugs._mystery)
+    where = lambda text: first + next(i for i, line in enumerate(source) if line.strip() == text)
+    return where("dist.all_reduce(loss.clone())"), where("dist.all_reduce(loss)")
+
+
 # -- exercise 1: who hung the mystery job? ----------------------------------------------------------------------
 
-def test_the_checkers_answer_is_what_the_mystery_jobs_dumps_say(mystery):
+def test_the_answer_is_the_planted_bug_and_the_analyzer_names_neither_its_rank_nor_its_number(mystery):
     assert sorted(mystery.dumps()) == [0, 1, 2, 3], mystery.output[-3000:]
-    culprit, called = odd_one_out(mystery)
-    assert verdict(checks.check_flight_recorder_answer, culprit, called) is None
-    last = {r: dump_entries(p)[-1] for r, p in mystery.dumps().items()}
-    assert [last[r]["op"] for r in range(4)].count("all_reduce") == 3, last
-    assert len({last[r]["seq"] for r in range(4)}) == 1, f"the four ranks stopped at different numbers: {last}"
-    assert checks._MYSTERY_SEQ == last[0]["seq"], "the checker's hints quote the collective number"
+    culprit, seq = odd_one_out(mystery)
+    extra, loss = _planted_lines()
+    calls = {r: {e["seq"]: (e["op"], e["line"]) for e in dump_entries(d)} for r, d in mystery.dumps().items()}
+    assert culprit == 0 and calls[0][seq] == ("all_reduce", extra), (culprit, seq, calls[0])
+    assert all(calls[r][seq] == ("all_reduce", loss) for r in (1, 2, 3)), calls
+    assert all(calls[r][s] == calls[0][s] for r in (1, 2, 3) for s in range(1, seq)), "the ranks agree before"
     report = analyze(mystery)
-    assert "COLLECTIVE_TYPE_MISMATCH" in report and f"Culprit rank {culprit}" in report, report
+    assert analyzer_named(mystery) == (seq + 1, [1, 2, 3]), report
+    assert "Culprit rank 0" not in report and report.count("found collective type: 'barrier'") == 3, report
+    assert verdict(check_mystery_answer, mystery, culprit, seq) is None
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_the_analyzers_culprits_fail_with_what_this_run_recorded(mystery, rank):
+    stop, _ = analyzer_named(mystery)
+    got = verdict(check_mystery_answer, mystery, rank, stop)
+    twins = [r for r in (1, 2, 3) if r != rank]
+    assert got and f"rank {rank} made the very calls ranks {twins[0]} and {twins[1]} made" in got, got
+    assert f"fr_trace named ranks 1, 2 and 3 at #{stop} in this run" in got and "rank 0's" in got, got
+
+
+def test_the_analyzers_number_fails_as_where_the_job_stopped(mystery):
+    stop, _ = analyzer_named(mystery)
+    got = verdict(check_mystery_answer, mystery, 0, stop)
+    assert got and f"#{stop} is where the job stopped" in got and "barrier []" in got, got
+    assert f"fr_trace reports in this run (#{stop})" in got and "lines=True" in got, got
+
+
+def test_a_number_before_the_first_difference_fails(mystery):
+    _, seq = odd_one_out(mystery)
+    got = verdict(check_mystery_answer, mystery, 0, seq - 1)
+    assert got and "they still agreed there" in got and "all_reduce [[9]]" in got, got
+
+
+def test_the_hints_follow_the_dumps_not_a_fixed_story(mystery, tmp_path):
+    """The same dumps with ranks 0 and 2 swapped: the culprit is now rank 2, which the analyzer names itself
+    (it differs from the first dump it reads), so the hint for a wrong rank says nothing of fr_trace."""
+    swap = {0: 2, 2: 0, 1: 1, 3: 3}
+    for rank, data in mystery.dumps().items():
+        dump = read_dump(data)
+        dump["rank"] = swap[rank]
+        (tmp_path / f"fr_{swap[rank]}").write_bytes(pickle.dumps(dump))
+    _, seq = odd_one_out(mystery)
+    assert odd_one_out(tmp_path) == (2, seq)
+    assert analyzer_named(tmp_path) == (seq + 1, [2]), analyze(tmp_path)
+    assert verdict(check_mystery_answer, tmp_path, 2, seq) is None
+    got = verdict(check_mystery_answer, tmp_path, 0, seq)
+    assert got and "rank 0 made the very calls ranks 1 and 3 made" in got and "fr_trace" not in got, got
 
 
 def test_fr_cell_passes_with_the_solution_and_its_scaffold_fails(mystery):
-    source = notebook_cell(NOTEBOOK, "check_flight_recorder_answer(")
+    source = notebook_cell(NOTEBOOK, "check_mystery_answer(")
     assert "USE_SOLUTION = True" in source, "the stored notebook must run the course's solution"
-    assert "broadcast" not in source and "= 3" not in source, "the scaffold must not hold the answer"
+    _, seq = odd_one_out(mystery)
+    assert "= 0" not in source and f"= {seq}" not in source, "the scaffold must not hold the answer"
     assert _run_cell(source, mystery=mystery) is None, "the course's solution must pass"
     got = _run_cell(solution_off(source), mystery=mystery)
     assert got and "not answered yet" in got, got
 
 
-@pytest.mark.parametrize("rank", [0, 1, 2])
-def test_a_rank_with_the_majority_is_not_the_culprit(rank):
-    got = verdict(checks.check_flight_recorder_answer, rank, "broadcast")
-    assert got and "did not leave them" in got and "rank 0's" in got, got
-
-
-def test_naming_what_the_others_called_is_explained():
-    got = verdict(checks.check_flight_recorder_answer, 3, "all_reduce")
-    assert got and "is what the other three ranks called" in got, got
-    got = verdict(checks.check_flight_recorder_answer, 3, "allreduce")
-    assert got and "is what the other three ranks called" in got, got
-
-
 @pytest.mark.parametrize("answer, words", [
-    ((3, "all_gather"), "never called"),
-    ((3, "barrier"), "never called"),
-    ((4, "broadcast"), "there is no rank 4"),
-    ((-1, "broadcast"), "there is no rank -1"),
-    (("3", "broadcast"), "must be a rank number"),
-    ((True, "broadcast"), "must be a rank number"),
-    ((3.0, "broadcast"), "must be a rank number"),
-    ((None, "broadcast"), "not answered yet"),
-    ((3, None), "not answered yet"),
+    ((4, 8), "there is no rank 4"),
+    ((-1, 8), "there is no rank -1"),
+    (("0", 8), "must be a rank number"),
+    ((True, 8), "must be a rank number"),
+    ((0.0, 8), "must be a rank number"),
+    ((0, "8"), "must be the '#' of one of dump_table's rows"),
+    ((0, 8.0), "must be the '#' of one of dump_table's rows"),
+    ((0, 99), "no rank recorded a collective #99"),
+    ((None, 8), "not answered yet"),
+    ((0, None), "not answered yet"),
 ])
-def test_wrong_answers_fail_with_a_reason(answer, words):
-    got = verdict(checks.check_flight_recorder_answer, *answer)
+def test_wrong_answers_fail_with_a_reason(mystery, answer, words):
+    got = verdict(check_mystery_answer, mystery, *answer)
     assert got and words in got, got
-
-
-@pytest.mark.parametrize("name", ["broadcast", "gloo:broadcast", "dist.broadcast", "Broadcast", "broadcast()"])
-def test_the_right_answer_passes_however_it_is_spelled(name):
-    assert verdict(checks.check_flight_recorder_answer, 3, name) is None
 
 
 # -- exercise 2: exposed communication from a trace -------------------------------------------------------------

@@ -1,54 +1,6 @@
-"""Checkers of 16_debugging_and_profiling: who hung the mystery job (read from its Flight Recorder dumps), and how
-much of a step is exposed communication (read from a profiler trace)."""
+"""Checker of 16_debugging_and_profiling: how much of a step is exposed communication (read from a profiler trace).
+The mystery job's checker reads that run's dumps: course_utils.debugging.check_mystery_answer."""
 import math
-
-# The mystery job (course_utils.planted_bugs, --bug mystery, 4 ranks). Kept here, not in the notebook.
-_MYSTERY_WORLD = 4
-_MYSTERY_SEQ = 6           # the default group's collective number where one rank left the others
-
-
-def _mystery_culprit(world_size=_MYSTERY_WORLD):
-    return (world_size + 2) // 2
-
-
-def _collective_name(name):
-    text = str(name).strip().lower().removeprefix("dist.").removeprefix("gloo:").removeprefix("nccl:")
-    text = text.removesuffix("()").replace("-", "_").replace(" ", "_")
-    return {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter"}.get(text, text)
-
-
-def check_flight_recorder_answer(culprit_rank, collective):
-    """The mystery job of 16_debugging_and_profiling hung: which rank left the others, and which collective did it
-    call while they waited in another one? Raises ``AssertionError`` with a hint when the answer is wrong."""
-    culprit, called, others = _mystery_culprit(), "broadcast", "all_reduce"
-    if culprit_rank is None or collective is None:
-        raise AssertionError("not answered yet: set culprit_rank (an int) and collective (a name such as "
-                             "'all_gather') from what the dumps say, then run the cell again")
-    if isinstance(culprit_rank, bool) or not isinstance(culprit_rank, int):
-        raise AssertionError(f"culprit_rank must be a rank number (an int from 0 to {_MYSTERY_WORLD - 1}), "
-                             f"not {culprit_rank!r}")
-    if not 0 <= culprit_rank < _MYSTERY_WORLD:
-        raise AssertionError(f"the job had {_MYSTERY_WORLD} ranks, 0 to {_MYSTERY_WORLD - 1}; there is no rank "
-                             f"{culprit_rank}")
-    name = _collective_name(collective)
-    if culprit_rank != culprit:
-        raise AssertionError(
-            f"rank {culprit_rank} called {others} as collective #{_MYSTERY_SEQ}, and so did two other ranks: it "
-            "did not leave them. fr_trace's 'Culprit rank' is named against the dump it matched first (rank "
-            f"0's): look for the one rank whose collective #{_MYSTERY_SEQ} differs from the other three")
-    if name == others:
-        raise AssertionError(
-            f"{others} is what the other three ranks called as collective #{_MYSTERY_SEQ}; rank {culprit_rank} "
-            "called a different one there, so both sides waited: which collective is in its last record?")
-    if name != called:
-        raise AssertionError(
-            f"rank {culprit_rank} never called {collective!r} in this job; read its last record "
-            "(dump_table, or the 'collective:' line of fr_trace's report)")
-    print("check_flight_recorder_answer: right: that rank entered that collective while the three others waited "
-          "in another one, so all four hung until the process group's timeout.")
-
-
-# -- exposed communication ----------------------------------------------------------------------------------------
 
 def _event(name, tid, start_ms, end_ms):
     return {"ph": "X", "name": name, "tid": tid, "ts": 1_000_000.0 + 1e3 * start_ms, "dur": 1e3 * (end_ms - start_ms)}
