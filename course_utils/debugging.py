@@ -761,6 +761,57 @@ def step_intervals(events, comm="gloo:all_reduce"):
             "comm": [(to_s(a), to_s(b)) for a, b in sorted(comms)]}
 
 
+def collectives_by_thread(events):
+    """``{name: (on the thread that ran forward, on other threads)}``: how many of each collective (events named
+    ``gloo:...`` or ``nccl:...``) a trace of one labelled step holds, and where they ran.
+
+    Introduced in 16_debugging_and_profiling (FSDP2's step beside DDP's)."""
+    forward = _named(events, "forward")
+    if len(forward) != 1:
+        raise ValueError(f"expected one 'forward' range in the trace, found {len(forward)}: label the step with "
+                         "torch.profiler.record_function")
+    main = forward[0]["tid"]
+    counts = {}
+    for e in events:
+        if e["name"].startswith(("gloo:", "nccl:")):
+            on_main, elsewhere = counts.get(e["name"], (0, 0))
+            counts[e["name"]] = (on_main + 1, elsewhere) if e["tid"] == main else (on_main, elsewhere + 1)
+    return dict(sorted(counts.items()))
+
+
+def communication_share(events):
+    """The fraction of the labelled ``step`` during which at least one collective ran (the union of the ``gloo:``
+    and ``nccl:`` events inside it, however many ran at once)."""
+    from course_utils.ddp_probes import _merge
+
+    (step,) = _named(events, "step")
+    s0, s1 = step["ts"], step["ts"] + step["dur"]
+    spans = [(max(s0, e["ts"]), min(s1, e["ts"] + e["dur"])) for e in events
+             if e["name"].startswith(("gloo:", "nccl:")) and e["ts"] < s1 and e["ts"] + e["dur"] > s0]
+    return sum(b - a for a, b in _merge(spans)) / (s1 - s0) if s1 > s0 else 0.0
+
+
+def describe_communication_share(ddp_events, fsdp_events, close=0.05):
+    """The sentence after "Measured here:" for lesson 16's DDP and FSDP2 steps profiled side by side: the share of
+    each step during which a collective ran, and which is larger (within ``close``, neither), with the collectives'
+    summed run time to tell "more communication" from "communication that ran more at once"."""
+    ddp, fsdp = communication_share(ddp_events), communication_share(fsdp_events)
+
+    def summed_ms(events):
+        return sum(e["dur"] for e in events if e["name"].startswith(("gloo:", "nccl:"))) / 1e3
+
+    d_ms, f_ms = summed_ms(ddp_events), summed_ms(fsdp_events)
+    head = (f"a collective ran during {ddp:.0%} of DDP's step and {fsdp:.0%} of FSDP2's (their run times add up to "
+            f"{d_ms:.1f} and {f_ms:.1f} ms)")
+    if abs(fsdp - ddp) <= close:
+        return f"{head}: about the same share of the step here."
+    larger, smaller = ("FSDP2", "DDP") if fsdp > ddp else ("DDP", "FSDP2")
+    more_time = (f_ms > d_ms) == (fsdp > ddp)
+    why = ("its collectives also ran longer in all" if more_time else
+           f"although {smaller}'s collectives ran longer in all: more of them ran at once, on gloo's two threads")
+    return f"{head}: {larger}'s share is the larger here, {why}."
+
+
 def describe_detail_cost(plain, detail, collectives_per_step=2, noise=1.2):
     """The sentence after "Measured here:" for what TORCH_DISTRIBUTED_DEBUG=DETAIL costs lesson 16's healthy job:
     ``plain`` and ``detail`` are ``{rank: [seconds of each step]}`` (``Job.step_seconds``) of the same job without

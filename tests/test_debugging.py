@@ -336,3 +336,32 @@ def test_gpu_checks_flight_recorder_script_computes_what_it_asserts_on_gloo(tmp_
     assert got["ops"] == ["gloo:all_reduce"] * 3, got
     assert got["kernels"] == [] and "gloo:all_reduce" in got["profiler_ops"], got
     assert (tmp_path / "fr_0").exists() and (tmp_path / "trace.json").exists()
+
+
+def _ev(name, tid, start_ms, end_ms):
+    return {"name": name, "tid": tid, "ts": start_ms * 1e3, "dur": (end_ms - start_ms) * 1e3, "ph": "X"}
+
+
+def test_fsdp2s_collectives_are_counted_by_thread_and_their_share_of_the_step_is_a_union():
+    """Lesson 16's FSDP2 step beside DDP's: what the cell prints is counted from the events, and the share of the
+    step counts time when several collectives ran at once once."""
+    fsdp = [_ev("step", 1, 0, 100), _ev("forward", 1, 0, 40), _ev("backward", 1, 40, 90),
+            _ev("gloo:all_gather", 7, 0, 10), _ev("gloo:all_gather", 8, 5, 15),      # two at once: 15 ms, not 20
+            _ev("gloo:all_reduce", 7, 60, 70), _ev("gloo:all_gather", 7, 95, 110)]   # the last one half inside
+    assert debugging.collectives_by_thread(fsdp) == {"gloo:all_gather": (0, 3), "gloo:all_reduce": (0, 1)}
+    on_main = fsdp + [_ev("gloo:broadcast", 1, 20, 21)]
+    assert debugging.collectives_by_thread(on_main)["gloo:broadcast"] == (1, 0)
+    assert debugging.communication_share(fsdp) == pytest.approx((15 + 10 + 5) / 100)
+    ddp = [_ev("step", 1, 0, 100), _ev("forward", 1, 0, 40), _ev("gloo:all_reduce", 7, 50, 60)]
+    said = debugging.describe_communication_share(ddp, fsdp)
+    assert said.startswith("a collective ran during 10% of DDP's step and 30% of FSDP2's")
+    assert "FSDP2's share is the larger here, its collectives also ran longer in all" in said, said
+    # a larger share with less summed time: the other one's collectives overlapped each other
+    crowded = [_ev("step", 1, 0, 100), _ev("forward", 1, 0, 40)] + [_ev("gloo:all_gather", 7 + i, 0, 20)
+                                                                    for i in range(4)]
+    ddp_long = [_ev("step", 1, 0, 100), _ev("forward", 1, 0, 40), _ev("gloo:all_reduce", 7, 50, 80)]
+    said = debugging.describe_communication_share(ddp_long, crowded)
+    assert "DDP's share is the larger here, although FSDP2's collectives ran longer in all" in said, said
+    assert "about the same share" in debugging.describe_communication_share(ddp, ddp)
+    with pytest.raises(ValueError, match="label the step"):
+        debugging.collectives_by_thread([_ev("gloo:all_reduce", 7, 0, 1)])
