@@ -341,17 +341,19 @@ class ForkedProcess:
 
     def __init__(self, ctx, env, fds, threads):
         """``fds``: name -> this process's fd (stdout, stderr, cmd, res and maybe listen)."""
-        self._p = ctx.Process(target=_rank_main, args=(env, {k: _Fd(v) for k, v in fds.items()}, threads),
-                              name=f"rank {env['RANK']}", daemon=True)  # daemon: mp ends it at exit
+        args = (env, {k: _Fd(v) for k, v in fds.items()}, threads)
+        # daemon: mp ends it at exit
+        process = lambda: ctx.Process(target=_rank_main, args=args, name=f"rank {env['RANK']}", daemon=True)  # noqa: E731
         with _lock, _without_main():
             with _served_by(env) as server:
+                self._p = process()
                 try:
                     self._p.start()
                 except Exception:
                     if server != "B":
                         raise
                     _drop_second_server()  # B is gone: A serves, as before B was ready
-                    self._p = ctx.Process(target=_rank_main, args=self._p._args, name=self._p.name, daemon=True)
+                    self._p = process()
                     self._p.start()
         self.pid = self._p.pid
         self.returncode = None
@@ -405,15 +407,14 @@ def zombie_exit_code(pid):
     reported with its code whatever its server is doing (issue 41: a server that imported reported it 6 s late)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
-        for task in tasks:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    return None
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3 (the state)
-    except (OSError, IndexError):
+    except OSError:
         return None
-    if not tasks or fields[0] not in ("Z", "X") or len(fields) < 50:
+    for task in tasks:
+        state = (_proc_stat(f"{pid}/task/{task}") or ["?"])[0]
+        if state not in ("Z", "X"):
+            return None
+    fields = _proc_stat(pid)  # fields[0] is field 3 (the state)
+    if not tasks or not fields or fields[0] not in ("Z", "X") or len(fields) < 50:
         return None
     status = int(fields[49])
     return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
