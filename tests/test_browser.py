@@ -304,7 +304,7 @@ def test_the_way_to_leave_it_out_runs_everything_else():
     options = argv[argv.index("pytest") + 1:]
     assert options == ["--deselect=tests/test_browser.py"], f"only an option, so pytest keeps its testpaths: {argv}"
     # and the option drops this module and nothing else (collected, not run)
-    collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", *options,
+    collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *options,
                               "tests/test_browser.py", "tests/test_plots.py"], cwd=ROOT, capture_output=True,
                              text=True, timeout=300)
     ids = [line for line in collect.stdout.splitlines() if "::" in line]

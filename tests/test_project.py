@@ -130,7 +130,9 @@ def test_readme_quick_start_is_the_two_make_targets():
         # creates: with pyproject.toml newer than the venv, it creates the venv and installs the course first
         create = subprocess.run(["make", "--no-print-directory", "-n", "-W", "pyproject.toml", target], cwd=ROOT,
                                 capture_output=True, text=True)
-        installs = re.search(r'pip install .*-e "?\.\[test\]', create.stdout)
+        installs = re.search(r'pip install .*--no-compile -e "?\.\[test\]', create.stdout)
+        assert "pip uninstall --quiet --yes rfc3987-syntax" in create.stdout, (
+            f"`{command}` must drop rfc3987-syntax (4-5 s of CPU per nbformat import, the Makefile says why)")
         assert re.search(r"-m venv \.venv", create.stdout) and installs, (
             f"`{command}` must create .venv and install the course (with its test extra) when needed:\n{create.stdout}")
 
@@ -187,6 +189,7 @@ def test_make_test_is_plain_pytest_over_tests_and_notebooks():
 
 
 def _tests_dir(tmp_path, body=None):
+    """A folder of tests for a nested ``make test TESTS=...`` run (callers add ``-n 0``: one process, no workers)."""
     d = tmp_path / "tests_here"
     d.mkdir(parents=True)
     if body is not None:
@@ -199,15 +202,22 @@ PASSES = "def test_passes():\n    pass\n"
 
 @pytest.mark.parametrize("target,variable", [("test", "TESTS"), ("test-baseline-cpu", "NOTEBOOKS")])
 def test_make_targets_fail_when_pytest_collects_nothing(tmp_path, target, variable):
-    empty = _make(target, f"{variable}={_tests_dir(tmp_path)}")
+    empty = _make(target, f"{variable}=-n 0 {_tests_dir(tmp_path)}")
     assert empty.returncode != 0, f"`make {target}` passed with no tests collected:\n{empty.stdout}{empty.stderr}"
     assert "no tests ran" in empty.stdout, f"expected pytest's 'no tests ran':\n{empty.stdout}{empty.stderr}"
 
 
+# pip installs without compiling (the Makefile): make's commands must then write bytecode the first time a module is
+# imported, even where the environment says PYTHONDONTWRITEBYTECODE=1, or every process compiles torch again.
+WRITES_BYTECODE = "import sys\ndef test_passes():\n    assert not sys.dont_write_bytecode\n"
+
+
 def test_make_test_runs_pytest_on_what_it_is_given(tmp_path):
-    passing = _make("test", f"TESTS={_tests_dir(tmp_path, PASSES)}")
+    passing = _make("test", f"TESTS=-n 0 {_tests_dir(tmp_path, WRITES_BYTECODE)}",
+                    env={"PYTHONDONTWRITEBYTECODE": "1"})
     assert passing.returncode == 0 and "1 passed" in passing.stdout, (
-        f"`make test TESTS=...` did not run and pass a passing test:\n{passing.stdout}{passing.stderr}")
+        f"`make test TESTS=...` did not run and pass a passing test that needs bytecode written (the Makefile "
+        f"unexports PYTHONDONTWRITEBYTECODE):\n{passing.stdout}{passing.stderr}")
 
 
 def test_baseline_cpu_target_forces_the_instruction_set_down(tmp_path):
@@ -218,7 +228,7 @@ def test_baseline_cpu_target_forces_the_instruction_set_down(tmp_path):
             f"    open({str(tmp_path / 'cache.txt')!r}, 'w').write(os.environ['MICRO_DDP_CACHE'])\n"
             "    for var in ('IPYTHONDIR', 'JUPYTER_CONFIG_DIR', 'JUPYTER_DATA_DIR', 'JUPYTER_RUNTIME_DIR'):\n"
             "        assert os.environ[var].startswith(os.environ['MICRO_DDP_CACHE']), var  # nbval's kernels\n")
-    run = _make("test-baseline-cpu", f"NOTEBOOKS={_tests_dir(tmp_path, body)}", env={"MICRO_DDP_CACHE": ""},
+    run = _make("test-baseline-cpu", f"NOTEBOOKS=-n 0 {_tests_dir(tmp_path, body)}", env={"MICRO_DDP_CACHE": ""},
                 timeout=300)
     assert run.returncode == 0 and "1 passed" in run.stdout, (
         f"make test-baseline-cpu does not force the kernels down:\n{run.stdout}{run.stderr}")
@@ -232,6 +242,7 @@ def test_baseline_cpu_target_forces_the_instruction_set_down(tmp_path):
 def test_torch_accepts_the_baseline_cpu_settings():
     code = ("import torch\n"
             "print('capability', torch.backends.cpu.get_cpu_capability())\n"
+            "print('mkl', torch.backends.mkl.is_available())\n"
             "torch.randn(64, 64) @ torch.randn(64, 64)\n"
             "with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):\n"
             "    torch.nn.functional.conv2d(torch.randn(8, 64, 28, 28), torch.randn(64, 64, 3, 3))\n")
@@ -240,7 +251,7 @@ def test_torch_accepts_the_baseline_cpu_settings():
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "capability DEFAULT" in out, f"ATEN_CPU_CAPABILITY=default was not honoured:\n{out[-2000:]}"
-    if torch_has_mkl() and _cpu_vendor() in ("GenuineIntel", None):
+    if "mkl True" in out and _cpu_vendor() in ("GenuineIntel", None):
         # MKL names the instruction set it dispatches to only on Intel CPUs; on AMD its banner reads
         # "Intel(R) Architecture processors" whatever MKL_ENABLE_INSTRUCTIONS says (ATen and oneDNN are checked)
         assert re.search(r"MKL_VERBOSE.*\(Intel\(R\) SSE4\.2\) enabled processors", out), (
@@ -255,12 +266,6 @@ def _cpu_vendor():
         return None
     found = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
     return found.group(1) if found else None
-
-
-def torch_has_mkl():
-    run = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.mkl.is_available())"],
-                         capture_output=True, text=True, timeout=120)
-    return run.stdout.strip() == "True"
 
 
 # ---- CI -----------------------------------------------------------------------------------------
