@@ -37,7 +37,7 @@ TIMED = {
     # the lessons that time things and choose their sentences from the timings (bandwidth, overlap, the cost
     # model, the pipeline bubble)
     "notebooks/04_measuring_bandwidth.ipynb", "notebooks/07_buckets_and_overlap.ipynb",
-    "notebooks/10_tradeoffs.ipynb", "notebooks/14_beyond_data_parallelism.ipynb",
+    "notebooks/10_tradeoffs.ipynb", "notebooks/15_beyond_data_parallelism.ipynb",
 }
 # A module known to take long on 2 cores starts early (seconds on a quiet 2-core machine; a guess is enough: the
 # order only balances the two workers). Lessons use their stored execution times instead.

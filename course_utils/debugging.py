@@ -1,4 +1,4 @@
-"""Plumbing for 16_debugging_and_profiling: run a planted-bug job under torchrun and read what a cluster's tools
+"""Plumbing for 17_debugging_and_profiling: run a planted-bug job under torchrun and read what a cluster's tools
 leave behind, then read a profiler trace.
 
 * ``run_job``: ``torchrun -m course_utils.planted_bugs`` with a short process-group timeout; a ``Job`` with each
@@ -8,7 +8,7 @@ leave behind, then read a profiler trace.
 * ``pyspy_dump``: the Python stack of a running process, by ``py-spy dump``.
 * ``trace_events``, ``step_intervals``, ``plot_trace``: a ``torch.profiler`` Chrome trace, per thread.
 
-Introduced in 16_debugging_and_profiling.
+Introduced in 17_debugging_and_profiling.
 """
 import ast
 import os
@@ -248,7 +248,7 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
     own 4 by default: the planted bugs' collective numbers in the lesson assume them). ``out``: the folder for the
     Flight Recorder dumps; by default a temporary one, removed when the job ends (the ``Job`` keeps the dumps).
 
-    Introduced in 16_debugging_and_profiling.
+    Introduced in 17_debugging_and_profiling.
     """
     from course_utils.planted_bugs import BUGS
 
@@ -682,12 +682,12 @@ def _groups(at):
 
 
 def check_mystery_answer(job, culprit_rank, collective_number):
-    """The mystery job of 16_debugging_and_profiling hung: which rank left the others (``culprit_rank``), and at
+    """The mystery job of 17_debugging_and_profiling hung: which rank left the others (``culprit_rank``), and at
     which collective number (``collective_number``, the '#' of ``dump_table``)? Read from ``job``'s own Flight
     Recorder dumps, so that each hint says what this run recorded. Raises ``AssertionError`` with a hint when the
     answer is wrong.
 
-    Introduced in 16_debugging_and_profiling."""
+    Introduced in 17_debugging_and_profiling."""
     __tracebackhide__ = True  # noqa: F841 (read by IPython and pytest)
     from course_utils.checks import verdict_only
 
@@ -765,7 +765,7 @@ def collectives_by_thread(events):
     """``{name: (on the thread that ran forward, on other threads)}``: how many of each collective (events named
     ``gloo:...`` or ``nccl:...``) a trace of one labelled step holds, and where they ran.
 
-    Introduced in 16_debugging_and_profiling (FSDP2's step beside DDP's)."""
+    Introduced in 17_debugging_and_profiling (FSDP2's step beside DDP's)."""
     forward = _named(events, "forward")
     if len(forward) != 1:
         raise ValueError(f"expected one 'forward' range in the trace, found {len(forward)}: label the step with "
@@ -792,7 +792,7 @@ def communication_share(events):
 
 
 def describe_communication_share(ddp_events, fsdp_events, close=0.05):
-    """The sentence after "Measured here:" for lesson 16's DDP and FSDP2 steps profiled side by side: the share of
+    """The sentence after "Measured here:" for lesson 17's DDP and FSDP2 steps profiled side by side: the share of
     each step during which a collective ran, and which is larger (within ``close``, neither), with the collectives'
     summed run time to tell "more communication" from "communication that ran more at once"."""
     ddp, fsdp = communication_share(ddp_events), communication_share(fsdp_events)
@@ -813,7 +813,7 @@ def describe_communication_share(ddp_events, fsdp_events, close=0.05):
 
 
 def describe_detail_cost(plain, detail, collectives_per_step=2, noise=1.2):
-    """The sentence after "Measured here:" for what TORCH_DISTRIBUTED_DEBUG=DETAIL costs lesson 16's healthy job:
+    """The sentence after "Measured here:" for what TORCH_DISTRIBUTED_DEBUG=DETAIL costs lesson 17's healthy job:
     ``plain`` and ``detail`` are ``{rank: [seconds of each step]}`` (``Job.step_seconds``) of the same job without
     and with DETAIL. Compares the medians over every rank's steps; a ratio under ``noise`` is called this machine's
     noise, not a cost (two short jobs at once on a busy machine can swap places)."""
@@ -832,7 +832,7 @@ def describe_detail_cost(plain, detail, collectives_per_step=2, noise=1.2):
 
 
 def describe_hidden_fractions(hand, traced, band=0.25):
-    """The sentence after "Measured here:" for lesson 16's two measures of overlap: ``hand[r]`` and ``traced[r]``
+    """The sentence after "Measured here:" for lesson 17's two measures of overlap: ``hand[r]`` and ``traced[r]``
     are rank r's hidden fractions over the profiled steps, from lesson 07's hand-made timeline (each all-reduce
     from its launch in the comm hook to its callback) and from the trace (gloo's own run of each all-reduce).
     Compares the medians per rank against ``band`` and, where they differ by more, names the reason the numbers

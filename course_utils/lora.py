@@ -1,6 +1,6 @@
 """LoRA by hand on a real architecture (transformers' Llama), and what fine-tuning on small cards needs.
 
-Introduced in 15_fine_tuning_small_cards; scripts/finetune_lora.py uses the same pieces under torchrun.
+Introduced in 16_fine_tuning_small_cards; scripts/finetune_lora.py uses the same pieces under torchrun.
 
 - **The model.** ``load_model("tiny")`` builds ``transformers``' ``LlamaForCausalLM`` at a tiny size
   (``TINY``, a character vocabulary of the course corpus), randomly initialised from a seed: nothing is
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils.memory import skip_frozen  # noqa: F401  (a name of this module since lesson 15)
+from course_utils.memory import skip_frozen  # noqa: F401  (a name of this module since lesson 16)
 from course_utils.true_size import GiB, MISTRAL_7B, LlamaShape
 
 __all__ = ["TINY", "LLAMA_2_7B", "MISTRAL_7B", "TARGETS", "LoRALinear", "add_lora", "lora_parameter_count",
@@ -39,7 +39,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 LLAMA_2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                   tie_word_embeddings=False)
-# MISTRAL_7B is course_utils.true_size's LlamaShape (lesson 13's), one object for both lessons: true_size_peak takes
+# MISTRAL_7B is course_utils.true_size's LlamaShape (lesson 14's), one object for both lessons: true_size_peak takes
 # a LlamaShape as well as a dict of LlamaConfig's arguments (see llama_config).
 # The linear layers of a Llama/Mistral decoder layer: attention (q, k, v, o) and MLP (gate, up, down).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -49,7 +49,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 class LoRALinear(nn.Module):
     """``nn.Linear`` with a low-rank update: ``base(x) + (alpha / r) * (x @ A.T) @ B.T``, the base frozen.
 
-    Introduced in 15_fine_tuning_small_cards (the course's solution of its first exercise). ``lora_A``
+    Introduced in 16_fine_tuning_small_cards (the course's solution of its first exercise). ``lora_A``
     (r x in_features) starts random as peft's (Kaiming uniform, a = sqrt(5)), ``lora_B`` (out_features x r)
     starts at zero: at initialisation the output equals the base's exactly. The adapters stay fp32 whatever
     the base's dtype (a bf16 base): the input is cast to their dtype, the update back to the output's.
@@ -86,7 +86,7 @@ class LoRALinear(nn.Module):
 def add_lora(model, targets=("q_proj", "v_proj"), r=4, alpha=8, lora_cls=LoRALinear, seed=0):
     """Freeze every parameter of ``model``, then wrap each ``nn.Linear`` whose name ends with one of ``targets``
     in ``lora_cls(linear, r=r, alpha=alpha)``. A's random values depend only on ``seed`` (every rank: the same).
-    Returns ``model``, changed in place. Introduced in 15_fine_tuning_small_cards."""
+    Returns ``model``, changed in place. Introduced in 16_fine_tuning_small_cards."""
     for p in model.parameters():
         p.requires_grad_(False)
     found = [(name, m) for name, m in model.named_modules()
@@ -269,7 +269,7 @@ def peak_memory(step, *tracked):
 # -- true size, with fake tensors ---------------------------------------------------------------------------------
 def llama_config(config):
     """``LlamaConfig``'s arguments for ``config``: a dict of them (``LLAMA_2_7B``) is returned as it is, a
-    ``course_utils.true_size.LlamaShape`` (``MISTRAL_7B``, lesson 13's shapes) is translated (no rotary scaling,
+    ``course_utils.true_size.LlamaShape`` (``MISTRAL_7B``, lesson 14's shapes) is translated (no rotary scaling,
     untied head; ``max_position_embeddings`` left at its default, which changes no byte of a step)."""
     if isinstance(config, LlamaShape):
         return dict(vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
@@ -287,7 +287,7 @@ def card_verdicts(peaks, cards=(8, 16, 24), usable=0.85):
 
     ``peaks``: {(method, strategy, W): (peak bytes, how)}. Returns {card: {(method, strategy): (W, peak) or None}}:
     for each method and strategy the row that fits with the fewest cards (W = "any" first: one card per replica),
-    or None when none fits. Introduced in 15_fine_tuning_small_cards (its FAQ is printed from it)."""
+    or None when none fits. Introduced in 16_fine_tuning_small_cards (its FAQ is printed from it)."""
     out = {}
     for card in cards:
         verdict = {}
@@ -322,7 +322,7 @@ def true_size_peak(config=LLAMA_2_7B, *, lora=True, strategy="fsdp", world_size=
     AdamW runs with ``foreach=False``: under FakeTensorMode the foreach implementation's temporaries are never
     freed, and its step would count several times the real state (the fake run's optimizer-step overcount); with
     real tensors ``foreach=True`` holds one more parameter-sized temporary of the trainable parameters at its peak
-    (measured in 13_fsdp_by_hand), which is small for LoRA and shown apart for full fine-tuning (``foreach_extra``).
+    (measured in 14_will_it_fit), which is small for LoRA and shown apart for full fine-tuning (``foreach_extra``).
     Runs in its own world from torch's ``fake`` backend; it must not run inside another process group.
     """
     import torch.distributed as dist

@@ -346,7 +346,7 @@ def ddp_bucket_bytes(model):
     return sum(int(s) for s in str(data.get("bucket_sizes", "")).replace(" ", "").split(",") if s)
 
 
-# -- what no tensor meter sees (13_fsdp_by_hand) --------------------------------------------------------
+# -- what no tensor meter sees (14_will_it_fit) ---------------------------------------------------------
 def _proc_status(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -358,7 +358,7 @@ def _proc_status(field):
 def collective_scratch_bytes(collective):
     """Bytes of memory a collective holds beyond its tensors while it runs: the backend's own scratch.
 
-    Introduced in 13_fsdp_by_hand. gloo copies through buffers of its own, allocated outside torch, so
+    Introduced in 14_will_it_fit. gloo copies through buffers of its own, allocated outside torch, so
     ``MemTracker`` never sees them. This measures them once from the process's resident memory: run
     ``collective()`` once (warm-up), then reset the peak resident size (Linux: ``/proc/self/clear_refs``),
     run it again, and return the peak's rise. Use tensors of tens of MiB, which glibc maps and unmaps at

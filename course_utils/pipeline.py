@@ -1,7 +1,7 @@
 """Pipeline parallelism by hand: a model cut into stages, one per rank, activations sent forward and their
 gradients sent back, micro-batch by micro-batch.
 
-Introduced in 14_beyond_data_parallelism. A *schedule* is the list of actions of one stage, in order:
+Introduced in 15_beyond_data_parallelism. A *schedule* is the list of actions of one stage, in order:
 ``("F", i)`` runs micro-batch ``i`` forward (receiving its input from the previous stage, sending its
 output to the next), ``("B", i)`` runs it backward (receiving the output's gradient from the next stage,
 sending the input's gradient to the previous). ``run_schedule`` executes one on a rank with
@@ -69,7 +69,7 @@ def split_layers(layers, num_stages):
 
 def gpt_stage(model, stage, num_stages):
     """Stage ``stage`` of ``num_stages`` of a course GPT: an ``nn.Sequential`` of its layers, sharing
-    ``model``'s parameters. Introduced in 14_beyond_data_parallelism."""
+    ``model``'s parameters. Introduced in 15_beyond_data_parallelism."""
     return nn.Sequential(*split_layers(gpt_layers(model), num_stages)[stage])
 
 
@@ -77,7 +77,7 @@ def gpt_stage(model, stage, num_stages):
 def gpipe_schedule(stage, num_stages, num_microbatches):
     """GPipe (Huang et al., 2019): every micro-batch forward, then every micro-batch backward.
 
-    The course's solution of 14_beyond_data_parallelism's pipeline exercise."""
+    The course's solution of 15_beyond_data_parallelism's pipeline exercise."""
     return [("F", i) for i in range(num_microbatches)] + [("B", i) for i in range(num_microbatches)]
 
 
@@ -196,7 +196,7 @@ def idle_fraction(events):
 # -- the peak of what autograd holds ---------------------------------------------------------------------
 class ActivationPeak:
     """The peak bytes of the tensors autograd keeps for backward, over a ``with`` block. Introduced in
-    14_beyond_data_parallelism::
+    15_beyond_data_parallelism::
 
         with ActivationPeak(exclude=model.parameters()) as meter:
             ...                       # any number of forwards and backwards, in any order
@@ -249,7 +249,7 @@ class ActivationPeak:
 # -- the runtime ----------------------------------------------------------------------------------------
 def run_schedule(stage_module, actions, *, stage, num_stages, inputs=None, targets=None, loss_fn=None,
                  act_shape=None, ranks=None, group=None, slot=None, on_forward=None):
-    """Run this rank's ``actions`` of a pipeline step. Introduced in 14_beyond_data_parallelism.
+    """Run this rank's ``actions`` of a pipeline step. Introduced in 15_beyond_data_parallelism.
 
     ``inputs`` (first stage) and ``targets`` (last stage): lists, one entry per micro-batch.
     ``act_shape``: the shape of an activation between stages (the same for every micro-batch).

@@ -1,4 +1,4 @@
-"""A tiny data-parallel training job with one bug planted on purpose, for 16_debugging_and_profiling.
+"""A tiny data-parallel training job with one bug planted on purpose, for 17_debugging_and_profiling.
 
 Each rank trains a linear model on its own slice of a fixed data set, averages the gradients with one
 ``all_reduce`` per step (as in 05_manual_gradient_averaging) and all-reduces the loss for the log. ``--bug``
@@ -24,7 +24,7 @@ rank waits in a collective before it gives up.
     python -m torch.distributed.flight_recorder.fr_trace /tmp/fr      # after course_utils.debugging.fix_gloo_dumps
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --nproc-per-node 2 -m course_utils.planted_bugs --bug shape
 
-Introduced in 16_debugging_and_profiling; the notebook runs it through ``course_utils.debugging.run_job``.
+Introduced in 17_debugging_and_profiling; the notebook runs it through ``course_utils.debugging.run_job``.
 """
 import argparse
 import datetime

@@ -1,6 +1,6 @@
 """Tensor parallelism by hand, Megatron-style: every layer's matrices split over the ranks of a group.
 
-Introduced in 14_beyond_data_parallelism. The two conjugate operators of Megatron-LM (Shoeybi et al.,
+Introduced in 15_beyond_data_parallelism. The two conjugate operators of Megatron-LM (Shoeybi et al.,
 2019, section 3) are ``torch.autograd.Function``s:
 
 - ``CopyToTensorParallel`` (Megatron's *f*): identity in forward, all-reduce of the gradient in backward.
@@ -62,12 +62,12 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
 
 def copy_to_tp(x, group=None):
-    """*f* applied to ``x``. Introduced in 14_beyond_data_parallelism."""
+    """*f* applied to ``x``. Introduced in 15_beyond_data_parallelism."""
     return CopyToTensorParallel.apply(x, group)
 
 
 def reduce_from_tp(x, group=None):
-    """*g* applied to ``x``. Introduced in 14_beyond_data_parallelism."""
+    """*g* applied to ``x``. Introduced in 15_beyond_data_parallelism."""
     return ReduceFromTensorParallel.apply(x, group)
 
 
@@ -129,7 +129,7 @@ class RowParallelLinear(nn.Module):
 class RowParallelLinearFunction(torch.autograd.Function):
     """The row-parallel linear as one autograd Function: ``all_reduce(x_shard @ weight_shard.T) + bias``.
 
-    14_beyond_data_parallelism's first exercise writes its ``backward``; ``row_parallel_backward`` is the
+    15_beyond_data_parallelism's first exercise writes its ``backward``; ``row_parallel_backward`` is the
     course's solution. ``with_backward(fn)`` returns a copy of this Function whose backward is ``fn``."""
 
     @staticmethod

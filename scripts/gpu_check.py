@@ -18,9 +18,9 @@ and what passed:
   against the unsharded model, when that module exists ("not available" otherwise);
 - DDP's built-in ``bf16_compress_hook`` on NCCL (it registers on a CUDA build; the gradients match fp32 to
   bf16's precision);
-- lesson 16's tools on NCCL: a Flight Recorder dump of three NCCL all-reduces and a profiler trace with
+- lesson 17's tools on NCCL: a Flight Recorder dump of three NCCL all-reduces and a profiler trace with
   ``ProfilerActivity.CUDA`` that shows NCCL's kernels;
-- lesson 15's ``scripts/finetune_lora.py`` under torchrun on NCCL (DDP and FSDP2 over LoRA, the tiny Llama);
+- lesson 16's ``scripts/finetune_lora.py`` under torchrun on NCCL (DDP and FSDP2 over LoRA, the tiny Llama);
 - every lesson's ``%%ddp`` cells that can run on NCCL (no ``--backend gloo`` in force), in order, on NCCL at
   world size 1. A lesson stops at its first error: an error about devices (a CPU tensor on NCCL, tensors on
   two devices) fails the check; any other error (a cell written for several ranks, a name from a notebook
@@ -62,9 +62,9 @@ PLAN = [
     ("MicroFSDP", "on NCCL == the unsharded model"),
     ("DDP hooks", "bf16_compress_hook on NCCL"),
     ("DDP hooks", "bf16_compress_hook with gloo on CUDA tensors"),
-    ("debugging", "a Flight Recorder dump and a profiler trace of an NCCL all-reduce (lesson 16)"),
-    ("debugging", "the NCCL dump on <stem><rank>.pipe lands in $HOME/.cache/torch (lesson 16)"),
-    ("fine-tuning", "finetune_lora.py on NCCL: DDP, FSDP2 over LoRA (lesson 15)"),
+    ("debugging", "a Flight Recorder dump and a profiler trace of an NCCL all-reduce (lesson 17)"),
+    ("debugging", "the NCCL dump on <stem><rank>.pipe lands in $HOME/.cache/torch (lesson 17)"),
+    ("fine-tuning", "finetune_lora.py on NCCL: DDP, FSDP2 over LoRA (lesson 16)"),
     ("lessons", "%%ddp cells that can run on NCCL: NCCL, world size min(-n, GPUs)"),
     ("lessons", "the same cells at their -n, gloo, every rank's device = cuda:0"),
     ("engine", "the notebook process never initialised CUDA"),
@@ -404,7 +404,7 @@ def check_bf16_gloo(ctx):
         if got[1] == "registered" else f"gloo: {got[1]}"
 
 
-# ---- lesson 16's tools on NCCL -------------------------------------------------------------------------------
+# ---- lesson 17's tools on NCCL -------------------------------------------------------------------------------
 
 # One fresh process (the Flight Recorder reads its buffer size when the process group is made): world size 1,
 # an all-reduce under torch.profiler, then the Flight Recorder's dump and the trace's events. argv: the backend
@@ -464,7 +464,7 @@ def check_flight_recorder_and_trace(ctx):
                     f"completion time; trace: {', '.join(got['kernels'])[:120]}")
 
 
-# The NCCL dump lesson 16 describes: with TORCH_NCCL_DEBUG_INFO_PIPE_FILE=<stem>, writing to <stem><rank>.pipe makes
+# The NCCL dump lesson 17 describes: with TORCH_NCCL_DEBUG_INFO_PIPE_FILE=<stem>, writing to <stem><rank>.pipe makes
 # the process group's monitor thread dump the Flight Recorder to the default file, $XDG_CACHE_HOME/torch (else
 # $HOME/.cache/torch) + /comm_lib_trace_rank_<rank> (tests/test_debugging.py checks that path against 2.13's
 # DebugInfoWriter::getWriter on the CPU). argv: the stem, the expected dump file.
@@ -493,7 +493,7 @@ dist.destroy_process_group()
 
 
 def check_nccl_dump_on_pipe(ctx):
-    """Lesson 16's NCCL dump facts on a GPU: the pipe file is <stem><rank>.pipe, and the dump lands at the default
+    """Lesson 17's NCCL dump facts on a GPU: the pipe file is <stem><rank>.pipe, and the dump lands at the default
     path under $HOME/.cache/torch (XDG_CACHE_HOME unset, TORCH_NCCL_DEBUG_INFO_TEMP_FILE unset), not /tmp."""
     import subprocess
     import tempfile
@@ -516,7 +516,7 @@ def check_nccl_dump_on_pipe(ctx):
     return PASSED, f"pipe_0.pipe -> $HOME/.cache/torch/comm_lib_trace_rank_0: {ops}"
 
 
-# ---- lesson 15's script on NCCL -------------------------------------------------------------------------------
+# ---- lesson 16's script on NCCL -------------------------------------------------------------------------------
 
 def check_finetune_script(ctx):
     """scripts/finetune_lora.py, unchanged, under torchrun on NCCL (one rank per GPU, at most 2): DDP over the

@@ -1,4 +1,4 @@
-"""course_utils.debugging and course_utils.planted_bugs (16_debugging_and_profiling): a healthy job's dumps agree, the
+"""course_utils.debugging and course_utils.planted_bugs (17_debugging_and_profiling): a healthy job's dumps agree, the
 analyzer needs the gloo fix, py-spy shows where each rank of a hung job is, and torchrun's verdict and the planted
 job's own reports do not depend on the machine's timing.
 
@@ -79,7 +79,7 @@ def test_the_flight_recorder_is_on_by_default_and_fr_buffer_size_reads_it_as_tor
     """torch 2.13's FlightRecorder.hpp: getCvarInt({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000).
     A fresh interpreter with every TORCH_FR_* and TORCH_NCCL_* variable removed (then the case's own), a world of
     one on gloo: an all-reduce and a barrier are recorded unless the size is 0, and planted_bugs.fr_buffer_size
-    (which decides whether the planted job dumps) reads the same size. Lesson 16 said the recorder was off unless
+    (which decides whether the planted job dumps) reads the same size. Lesson 17 said the recorder was off unless
     a variable was set: the first case fails on that claim."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
     env.update(variables, PYTHONPATH=str(debugging.ROOT))
@@ -105,7 +105,7 @@ print(ctypes.string_at(data, length).decode())
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads libstdc++'s std::string layout")
 def test_the_default_flight_recorder_dump_path_is_the_users_cache_not_tmp(tmp_path):
-    """Lesson 16's NCCL cell: where NCCL's automatic dump goes by default, asked of this torch build's own
+    """Lesson 17's NCCL cell: where NCCL's automatic dump goes by default, asked of this torch build's own
     c10d::DebugInfoWriter::getWriter (FlightRecorder.cpp, compiled into libtorch_cpu in 2.13): $XDG_CACHE_HOME/torch,
     else $HOME/.cache/torch, else /tmp/.cache/torch, then comm_lib_trace_rank_<rank>; TORCH_FR_DUMP_TEMP_FILE
     replaces the prefix. Not /tmp/nccl_trace_rank_<rank>, the default of older releases."""
@@ -280,7 +280,7 @@ def test_step_intervals_read_backwards_compute_and_the_steps_communication():
 
 
 def test_the_two_hidden_fractions_are_compared_per_rank_with_a_reason_for_a_gap():
-    """Lesson 16 prints this sentence under "Measured here:": in CI under load rank 1's hand-made figure read 0.58
+    """Lesson 17 prints this sentence under "Measured here:": in CI under load rank 1's hand-made figure read 0.58
     against the trace's 1.00, so the comparison is a measured verdict, not an assert."""
     agree = describe_hidden_fractions([[0.7, 0.6, 0.8], [0.5, 0.5, 0.6]], [[0.6, 0.6, 0.6], [0.55, 0.4, 0.5]])
     assert agree.endswith("The two agree within 0.25 on every rank.") and "rank 0 hid 0.60" in agree
@@ -303,7 +303,7 @@ def test_plot_trace_draws_one_row_per_thread():
 
 
 def test_details_cost_is_a_verdict_that_follows_the_numbers():
-    """Lesson 16 prints it under "Measured here:". Two short jobs at once on 2 busy cores once read DETAIL's steps
+    """Lesson 17 prints it under "Measured here:". Two short jobs at once on 2 busy cores once read DETAIL's steps
     as fast as the plain ones (7.0 against 9.9 ms): within the noise band that is no verdict on DETAIL's cost."""
     slower = describe_detail_cost({0: [0.008, 0.008, 0.009], 1: [0.008]}, {0: [0.016, 0.015], 1: [0.016, 0.5]})
     assert "8.0 ms plain and 16.0 ms with DETAIL" in slower
@@ -343,7 +343,7 @@ def _ev(name, tid, start_ms, end_ms):
 
 
 def test_fsdp2s_collectives_are_counted_by_thread_and_their_share_of_the_step_is_a_union():
-    """Lesson 16's FSDP2 step beside DDP's: what the cell prints is counted from the events, and the share of the
+    """Lesson 17's FSDP2 step beside DDP's: what the cell prints is counted from the events, and the share of the
     step counts time when several collectives ran at once once."""
     fsdp = [_ev("step", 1, 0, 100), _ev("forward", 1, 0, 40), _ev("backward", 1, 40, 90),
             _ev("gloo:all_gather", 7, 0, 10), _ev("gloo:all_gather", 8, 5, 15),      # two at once: 15 ms, not 20

@@ -1,230 +1,149 @@
-"""The self-checks of 16_debugging_and_profiling's exercises, fed the unmodified scaffold and typical wrong answers
-(each must fail with a reason a learner can act on) and the course's solution (which must pass). The Flight
-Recorder exercise is checked against a real run of the mystery job: its answer must be the bug planted in
-``planted_bugs._mystery``, torch's analyzer must miss it (so that the exercise needs the learner's reading), and
-the checker's hints must say what the run's dumps say.
+"""The self-check of 16_fine_tuning_small_cards, ``check_lora_linear``, fed the typical wrong answers (each must fail
+with a reason a learner can act on) and the course's solution (which must pass). One process, then real gloo ranks
+(the base left trainable is caught by its bytes on the wire).
 
     .venv/bin/python -m pytest tests/test_exercises_16.py -p no:randomly
 """
-import contextlib
-import inspect
-import io
-import pickle
+import sys
 
 import pytest
+import torch
 
-from course_utils import planted_bugs
-from course_utils.checks import debugging as checks
-from course_utils.debugging import (analyze, analyzer_named, check_mystery_answer, dump_entries, odd_one_out,
-                                    read_dump, run_job)
-from exercise_helpers import notebook_cell, solution_off, verdict
+from conftest import register_by_value
+from course_utils.lora import LoRALinear
+from exercise_helpers import notebook_cell, run_exercise_cell, solution_off, verdict
 
-NOTEBOOK = "16_debugging_and_profiling.ipynb"
+register_by_value(sys.modules[__name__])  # the wrong answers below run on the ranks
 
-
-def _run_cell(source, **names):
-    """Run a (non-%%ddp) exercise cell in a fresh namespace: None if its check passed, else the verdict."""
-    namespace = dict(names)
-    with contextlib.redirect_stdout(io.StringIO()):
-        try:
-            exec(compile(source, "exercise-cell", "exec"), namespace)
-        except AssertionError as exc:
-            return str(exc)
-    return None
+NOTEBOOK = "16_fine_tuning_small_cards.ipynb"
 
 
+class BNotZero(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        torch.nn.init.normal_(self.lora_B.data, std=0.1)
+
+
+class NoScaling(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        self.scaling = 1.0
+
+
+class InvertedScaling(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        self.scaling = r / alpha
+
+
+class BaseTrainable(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        base.weight.requires_grad_(True)
+
+
+class MergeTransposed(LoRALinear):
+    @torch.no_grad()
+    def merge(self):
+        self.base.weight += self.scaling * (self.lora_A.t() @ self.lora_B.t())
+        self.merged = True
+
+
+class MergeWrongScale(LoRALinear):
+    @torch.no_grad()
+    def merge(self):
+        self.base.weight += self.lora_B @ self.lora_A
+        self.merged = True
+
+
+class MergeTwice(LoRALinear):
+    @torch.no_grad()
+    def merge(self):
+        self.base.weight += self.scaling * (self.lora_B @ self.lora_A)   # forgets to stop adding the update
+
+
+class DetachedUpdate(LoRALinear):
+    def forward(self, x):
+        return self.base(x) + self.scaling * (x @ self.lora_A.detach().t()) @ self.lora_B.detach().t()
+
+
+class TransposedShapes(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        self.lora_A = torch.nn.Parameter(torch.zeros(base.in_features, r))
+
+
+class BothZero(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        torch.nn.init.zeros_(self.lora_A.data)           # equal to the base at init, but nothing ever trains
+
+
+class ALargeNormal(LoRALinear):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__(base, r, alpha)
+        torch.nn.init.normal_(self.lora_A.data, std=10.0)   # random, but at 60 times Kaiming uniform's scale
+
+
+class Scaffold(torch.nn.Module):
+    def __init__(self, base, r=4, alpha=8):
+        super().__init__()
+        raise NotImplementedError("write MyLoRALinear.__init__")
+
+
+WRONG = [
+    (Scaffold, ["not written yet"]),
+    (TransposedShapes, ["lora_A has shape", "r x in_features"]),
+    (BNotZero, ["lora_B must start at zero"]),
+    (BothZero, ["lora_A starts at zero", "training never starts", "kaiming_uniform_"]),
+    (ALargeNormal, ["standard deviation", "Kaiming uniform", "kaiming_uniform_"]),
+    (BaseTrainable, ["must be frozen", "requires_grad_(False)"]),
+    (NoScaling, ["scaling alpha / r is missing"]),
+    (InvertedScaling, ["inverted"]),
+    (DetachedUpdate, ["not from a detached copy"]),
+    (MergeTransposed, ["B @ A", "not A.T @ B.T"]),
+    (MergeWrongScale, ["(alpha / r) * B @ A"]),
+    (MergeTwice, ["counted twice"]),
+]
+
+
+@pytest.mark.parametrize("cls, words", WRONG, ids=[c.__name__ for c, _ in WRONG])
+def test_check_lora_linear_explains_wrong_answers(cls, words):
+    from course_utils.checks import check_lora_linear
+
+    got = verdict(check_lora_linear, cls)
+    assert got, f"{cls.__name__} must fail check_lora_linear"
+    for w in words:
+        assert w in got, f"the verdict on {cls.__name__} should mention {w!r}: {got}"
+
+
+def test_check_lora_linear_passes_the_solution(capsys):
+    from course_utils.checks import check_lora_linear
+
+    check_lora_linear(LoRALinear)
+    assert "the course's solution" in capsys.readouterr().out
+
+
+# -- on real ranks: the bytes on the wire ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def mystery():
-    return run_job("mystery", nproc=4)
+def cluster(make_cluster):
+    return make_cluster(2, timeout=180)
 
 
-def _planted_lines():
-    """The lines of planted_bugs.py of ``_mystery``'s extra all-reduce and of its loss all-reduce."""
-    source, first = inspect.getsourcelines(planted_bugs._mystery)
-    where = lambda text: first + next(i for i, line in enumerate(source) if line.strip() == text)
-    return where("dist.all_reduce(loss.clone())"), where("dist.all_reduce(loss)")
+def _verdict_on_ranks(cls):
+    from course_utils.checks import check_lora_linear
+
+    return verdict(check_lora_linear, cls)
 
 
-# -- exercise 1: who hung the mystery job? ----------------------------------------------------------------------
-
-def test_the_answer_is_the_planted_bug_and_the_analyzer_names_neither_its_rank_nor_its_number(mystery):
-    assert sorted(mystery.dumps()) == [0, 1, 2, 3], mystery.output[-3000:]
-    culprit, seq = odd_one_out(mystery)
-    extra, loss = _planted_lines()
-    calls = {r: {e["seq"]: (e["op"], e["line"]) for e in dump_entries(d)} for r, d in mystery.dumps().items()}
-    assert culprit == 0 and calls[0][seq] == ("all_reduce", extra), (culprit, seq, calls[0])
-    assert all(calls[r][seq] == ("all_reduce", loss) for r in (1, 2, 3)), calls
-    assert all(calls[r][s] == calls[0][s] for r in (1, 2, 3) for s in range(1, seq)), "the ranks agree before"
-    report = analyze(mystery)
-    assert analyzer_named(mystery) == (seq + 1, [1, 2, 3]), report
-    assert "Culprit rank 0" not in report and report.count("found collective type: 'barrier'") == 3, report
-    assert verdict(check_mystery_answer, mystery, culprit, seq) is None
+def test_base_left_trainable_is_caught_by_its_bytes_on_the_wire(cluster):
+    got = cluster.run(_verdict_on_ranks, BaseTrainable)
+    for g in got:
+        assert g and "under DDP one backward sent" in g and "freeze the base" in g, got
 
 
-@pytest.mark.parametrize("rank", [1, 2, 3])
-def test_the_analyzers_culprits_fail_with_what_this_run_recorded(mystery, rank):
-    stop, _ = analyzer_named(mystery)
-    got = verdict(check_mystery_answer, mystery, rank, stop)
-    twins = [r for r in (1, 2, 3) if r != rank]
-    assert got and f"rank {rank} made the very calls ranks {twins[0]} and {twins[1]} made" in got, got
-    assert f"fr_trace named ranks 1, 2 and 3 at #{stop} in this run" in got and "rank 0's" in got, got
-
-
-def test_the_analyzers_number_fails_as_where_the_job_stopped(mystery):
-    stop, _ = analyzer_named(mystery)
-    got = verdict(check_mystery_answer, mystery, 0, stop)
-    assert got and f"#{stop} is where the job stopped" in got and "barrier []" in got, got
-    assert f"fr_trace reports in this run (#{stop})" in got and "lines=True" in got, got
-
-
-def test_a_number_before_the_first_difference_fails(mystery):
-    _, seq = odd_one_out(mystery)
-    got = verdict(check_mystery_answer, mystery, 0, seq - 1)
-    assert got and "they still agreed there" in got and "all_reduce [[9]]" in got, got
-
-
-def test_the_hints_follow_the_dumps_not_a_fixed_story(mystery, tmp_path):
-    """The same dumps with ranks 0 and 2 swapped: the culprit is now rank 2, which the analyzer names itself
-    (it differs from the first dump it reads), so the hint for a wrong rank says nothing of fr_trace."""
-    swap = {0: 2, 2: 0, 1: 1, 3: 3}
-    for rank, data in mystery.dumps().items():
-        dump = read_dump(data)
-        dump["rank"] = swap[rank]
-        (tmp_path / f"fr_{swap[rank]}").write_bytes(pickle.dumps(dump))
-    _, seq = odd_one_out(mystery)
-    assert odd_one_out(tmp_path) == (2, seq)
-    assert analyzer_named(tmp_path) == (seq + 1, [2]), analyze(tmp_path)
-    assert verdict(check_mystery_answer, tmp_path, 2, seq) is None
-    got = verdict(check_mystery_answer, tmp_path, 0, seq)
-    assert got and "rank 0 made the very calls ranks 1 and 3 made" in got and "fr_trace" not in got, got
-
-
-def test_fr_cell_passes_with_the_solution_and_its_scaffold_fails(mystery):
-    source = notebook_cell(NOTEBOOK, "check_mystery_answer(")
-    assert "USE_SOLUTION = True" in source, "the stored notebook must run the course's solution"
-    _, seq = odd_one_out(mystery)
-    assert "= 0" not in source and f"= {seq}" not in source, "the scaffold must not hold the answer"
-    assert _run_cell(source, mystery=mystery) is None, "the course's solution must pass"
-    got = _run_cell(solution_off(source), mystery=mystery)
-    assert got and "not answered yet" in got, got
-
-
-@pytest.mark.parametrize("answer, words", [
-    ((4, 8), "there is no rank 4"),
-    ((-1, 8), "there is no rank -1"),
-    (("0", 8), "must be a rank number"),
-    ((True, 8), "must be a rank number"),
-    ((0.0, 8), "must be a rank number"),
-    ((0, "8"), "must be the '#' of one of dump_table's rows"),
-    ((0, 8.0), "must be the '#' of one of dump_table's rows"),
-    ((0, 99), "no rank recorded a collective #99"),
-    ((None, 8), "not answered yet"),
-    ((0, None), "not answered yet"),
-])
-def test_wrong_answers_fail_with_a_reason(mystery, answer, words):
-    got = verdict(check_mystery_answer, mystery, *answer)
-    assert got and words in got, got
-
-
-# -- exercise 2: exposed communication from a trace -------------------------------------------------------------
-
-def _comm(events):
-    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "gloo:all_reduce")
-
-
-def _step(events):
-    step = next(e for e in events if e["name"] == "step")
-    return step["ts"], step["ts"] + step["dur"]
-
-
-def _compute(events, use_backward_end=False):
-    backward = next(e for e in events if e["name"] == "backward")
-    nodes = [e for e in events if e["name"].startswith("autograd::engine::")]
-    end = backward["ts"] + backward["dur"] if use_backward_end else max(e["ts"] + e["dur"] for e in nodes)
-    return backward["ts"], end
-
-
-def _hidden(intervals, c0, c1):
-    return sum(max(0.0, min(b, c1) - max(a, c0)) for a, b in intervals)
-
-
-def _merge(intervals):
-    out = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
-def _in_step(events, intervals):
-    s0, s1 = _step(events)
-    return [(a, b) for a, b in intervals if s0 <= a <= s1]
-
-
-def no_merge(events):               # two overlapping all-reduces counted twice
-    s0, s1 = _step(events)
-    comm = _in_step(events, _comm(events))
-    return (sum(b - a for a, b in comm) - _hidden(comm, *_compute(events))) / (s1 - s0)
-
-
-def backward_end_as_compute(events):   # DDP's wait at the end of backward counted as compute
-    s0, s1 = _step(events)
-    comm = _merge(_in_step(events, _comm(events)))
-    return (sum(b - a for a, b in comm) - _hidden(comm, *_compute(events, True))) / (s1 - s0)
-
-
-def divided_by_comm(events):        # the exposed share of the communication, not of the step
-    comm = _merge(_in_step(events, _comm(events)))
-    total = sum(b - a for a, b in comm)
-    return (total - _hidden(comm, *_compute(events))) / total if total else 0.0
-
-
-def all_comm_exposed(events):       # forgot the overlap altogether
-    s0, s1 = _step(events)
-    return sum(b - a for a, b in _merge(_in_step(events, _comm(events)))) / (s1 - s0)
-
-
-def events_outside_the_step(events):   # the previous step's all-reduce counted too
-    s0, s1 = _step(events)
-    comm = _merge(_comm(events))
-    return (sum(b - a for a, b in comm) - _hidden(comm, *_compute(events))) / (s1 - s0)
-
-
-def as_percent(events):
-    return 100 * checks.exposed_fraction_solution(events)
-
-
-@pytest.mark.parametrize("wrong, words", [
-    (no_merge, "merge the intervals"),
-    (backward_end_as_compute, "backward's last autograd node"),
-    (divided_by_comm, "not by the communication's"),
-    (all_comm_exposed, "is exposed communication"),
-    (events_outside_the_step, "inside the step"),
-    (as_percent, "between 0 and 1"),
-    (lambda events: None, "should return a number"),
-])
-def test_typical_wrong_exposed_fractions_fail_with_a_reason(wrong, words):
-    got = verdict(checks.check_exposed_fraction, wrong)
-    assert got and words in got, got
-
-
-def test_exposed_cell_passes_with_the_solution_and_its_scaffold_fails():
-    source = notebook_cell(NOTEBOOK, "check_exposed_fraction(")
-    assert "USE_SOLUTION = True" in source, "the stored notebook must run the course's solution"
-    events = checks._cases()[0][1]
-    assert _run_cell(source, events=events) is None, "the course's solution must pass"
-    got = _run_cell(solution_off(source), events=events)
-    assert got and "not written yet" in got and "NotImplementedError" in got, got
-
-
-def test_the_solution_agrees_with_the_lessons_own_interval_helpers():
-    from course_utils.ddp_probes import overlap
-    from course_utils.debugging import step_intervals
-
-    for _, events, want in checks._cases():
-        iv = step_intervals(events)
-        o = overlap(iv["compute"], iv["comm"])
-        assert abs(o["exposed_s"] / (iv["step"][1] - iv["step"][0]) - want) < 1e-9
-        assert abs(checks.exposed_fraction_solution(events) - want) < 1e-9
+def test_the_notebook_cell_passes_with_the_solution_and_fails_as_the_scaffold(cluster):
+    source = notebook_cell(NOTEBOOK, "class MyLoRALinear")
+    assert cluster.run(run_exercise_cell, source) == [None, None], "the course's solution must pass"
+    got = cluster.run(run_exercise_cell, solution_off(source))
+    assert all(g and "not written yet" in g for g in got), got

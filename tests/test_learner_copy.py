@@ -43,7 +43,7 @@ def test_an_existing_copy_is_kept_and_a_new_lesson_is_added(tmp_path):
     nb.cells[0].source = "my notes"
     nbformat.write(nb, edited)
     before = edited.read_bytes()
-    # lessons 15 and 16 appear in notebooks/ later: the next `make lab` copies them and keeps the rest
+    # lessons 16 and 17 appear in notebooks/ later: the next `make lab` copies them and keeps the rest
     for new in ("15_later_lesson.ipynb", "16_another_one.ipynb"):
         shutil.copy(LESSONS[1], src / new)
     added, kept = learner_copy.sync(src, dest)

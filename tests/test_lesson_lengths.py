@@ -1,5 +1,5 @@
-"""Each lesson states how long its main path takes; the statement must follow the lesson's length, and lessons 00-11
-and 16 fit one sitting (issue 31: 60-75 minutes; the README says so). The estimate is one rule for every lesson, the
+"""Each lesson states how long its main path takes; the statement must follow the lesson's length, and every lesson
+fits one sitting (issue 31: 60-75 minutes; the README says so). The estimate is one rule for every lesson, the
 README's: 100 words of prose and 8 lines of code a minute (reading, predicting, running, looking at the output), plus
 5 minutes an exercise, each exercise counted once, up to "Going further"."""
 import re
@@ -10,7 +10,7 @@ import pytest
 from conftest import LESSONS, NOTEBOOKS
 
 WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 100, 8, 5
-ONE_SITTING = 75        # minutes: lessons 00-11 fit it
+ONE_SITTING = 75        # minutes: every lesson fits it
 SLACK = 10              # minutes: how far a stated time may sit from the estimate
 STATED = re.compile(r"\*\*(?:Estimated time|Time):?\*\*:? about (\d+)(?:-(\d+))? minutes")
 GOING_FURTHER = re.compile(r"^#+ .*Going further", re.M)
@@ -98,12 +98,9 @@ def test_an_exercise_is_counted_once(tmp_path):
     assert estimate(path)[3] == 2
 
 
-# The README: "Every lesson but 13 fits one sitting" (issue 39: 12 and 14; issue 40: 15; 13 is to be split in two)
-ONE_SITTING_LESSONS = [p for p in LESSONS if not p.name.startswith("13_")]
-
-
-@pytest.mark.parametrize("path", ONE_SITTING_LESSONS, ids=lambda p: p.name[:2])
-def test_lessons_00_to_11_and_16_fit_one_sitting(path):
+# The README: "Every lesson fits one sitting" (issue 39: 12 and 15; issue 40: 16; lesson 13 was split into 13 and 14)
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_every_lesson_fits_one_sitting(path):
     minutes, *_ = estimate(path)
     assert minutes <= ONE_SITTING and stated(path)[1] <= ONE_SITTING, (
         f"{path.name}: its main path takes about {minutes:.0f} minutes, over one sitting ({ONE_SITTING}): move "

@@ -236,7 +236,7 @@ def _lora_ddp_against_micro_fsdp(steps=4):
 
 
 def test_micro_fsdp_over_a_frozen_base_trains_as_ddp_over_lora(cluster):
-    """Lesson 15: a LoRA layer's frozen norm and base projection still need their weights after A's and B's
+    """Lesson 16: a LoRA layer's frozen norm and base projection still need their weights after A's and B's
     gradients are in (backward goes on to the layer's input). MicroFSDP freed them at the last trainable gradient,
     and backward then read a freed buffer; it now waits for the input's gradient in a unit with frozen weights."""
     results = cluster.run(_lora_ddp_against_micro_fsdp)

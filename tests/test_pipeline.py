@@ -1,4 +1,4 @@
-"""course_utils.pipeline (14_beyond_data_parallelism): the schedules, the simulator and the runtime, on models the
+"""course_utils.pipeline (15_beyond_data_parallelism): the schedules, the simulator and the runtime, on models the
 lesson never shows. A pipelined step's output (the last stage's), its loss and every gradient equal one
 process's on 2 and 4 real gloo ranks, under GPipe and 1F1B.
 

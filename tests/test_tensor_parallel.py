@@ -1,4 +1,4 @@
-"""course_utils.tensor_parallel (14_beyond_data_parallelism) on models the lesson never shows: the split model's
+"""course_utils.tensor_parallel (15_beyond_data_parallelism) on models the lesson never shows: the split model's
 forward output and every gradient equal one process's, on 2 and 4 real gloo ranks.
 
     .venv/bin/python -m pytest tests/test_tensor_parallel.py

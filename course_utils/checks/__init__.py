@@ -10,9 +10,9 @@
   ``check_compressor`` (11_capstone_micro_ddp), in ``checks.micro_ddp``
 - the checkers of 12_zero_fsdp, in ``checks.zero``
 - ``check_pad_and_shard``, ``check_micro_fsdp`` (13_fsdp_by_hand), in ``checks.fsdp``
-- ``check_row_parallel_backward``, ``check_pipeline_schedule`` (14_beyond_data_parallelism), in ``checks.parallel``
-- ``check_lora_linear`` (15_fine_tuning_small_cards), in ``checks.lora``
-- ``check_exposed_fraction`` (16_debugging_and_profiling), in ``checks.debugging`` (the mystery job's checker,
+- ``check_row_parallel_backward``, ``check_pipeline_schedule`` (15_beyond_data_parallelism), in ``checks.parallel``
+- ``check_lora_linear`` (16_fine_tuning_small_cards), in ``checks.lora``
+- ``check_exposed_fraction`` (17_debugging_and_profiling), in ``checks.debugging`` (the mystery job's checker,
   ``check_mystery_answer``, reads the run's dumps: course_utils.debugging)
 
 They raise ``AssertionError`` with an explanation, and return quietly when the code is right.

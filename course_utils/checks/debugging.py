@@ -1,4 +1,4 @@
-"""Checker of 16_debugging_and_profiling: how much of a step is exposed communication (read from a profiler trace).
+"""Checker of 17_debugging_and_profiling: how much of a step is exposed communication (read from a profiler trace).
 The mystery job's checker reads that run's dumps: course_utils.debugging.check_mystery_answer."""
 import math
 

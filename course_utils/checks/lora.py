@@ -1,6 +1,6 @@
-"""The self-check of 15_fine_tuning_small_cards: ``check_lora_linear``.
+"""The self-check of 16_fine_tuning_small_cards: ``check_lora_linear``.
 
-Introduced in 15_fine_tuning_small_cards. It builds the learner's ``LoRALinear`` around a seeded ``nn.Linear``
+Introduced in 16_fine_tuning_small_cards. It builds the learner's ``LoRALinear`` around a seeded ``nn.Linear``
 (12 inputs, 10 outputs, a bias; r = 3, alpha = 6, so the scaling alpha / r = 2 differs from 1, from r / alpha and
 from alpha) and checks, in this order, each with its own verdict:
 

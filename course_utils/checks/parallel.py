@@ -1,4 +1,4 @@
-"""The checkers of 14_beyond_data_parallelism: the row-parallel layer's backward and a pipeline schedule.
+"""The checkers of 15_beyond_data_parallelism: the row-parallel layer's backward and a pipeline schedule.
 
 Call them INSIDE a ``%%ddp`` cell (2 or more ranks): every rank runs the same check on the process group
 that is already there, and every rank raises the same ``AssertionError`` (the first failing rank's
@@ -97,7 +97,7 @@ def check_row_parallel_backward(backward):
     """``backward(ctx, grad_output)`` of ``RowParallelLinearFunction``: ``ctx.saved_tensors`` holds
     ``(x_shard, weight_shard)``; return the gradients of ``x_shard``, ``weight_shard``, ``bias`` and None.
 
-    Introduced in 14_beyond_data_parallelism. Compared, on every rank, with the slices of the unsplit
+    Introduced in 15_beyond_data_parallelism. Compared, on every rank, with the slices of the unsplit
     layer's gradients (autograd on one process) within 1e-5, for a 2-D and a 3-D input; no collective
     may run in backward."""
     ws = dist.get_world_size()
@@ -174,7 +174,7 @@ def _schedule_problem(schedule, p, m, given=None):
 def check_pipeline_schedule(schedule, num_microbatches=4):
     """``schedule(stage, num_stages, num_microbatches)``: the actions of one stage, ``("F", i)`` and ``("B", i)``.
 
-    Introduced in 14_beyond_data_parallelism. First simulated for 2 and 4 stages and 1, 3 and 8 micro-batches
+    Introduced in 15_beyond_data_parallelism. First simulated for 2 and 4 stages and 1, 3 and 8 micro-batches
     (no process sends anything, so a deadlock is reported instead of hanging): every micro-batch forward and
     backward once per stage, backward after forward, no deadlock, the messages between two stages in one order,
     and an idle fraction no larger than GPipe's (p - 1) / (m + p - 1). Then the lists the ranks will run are
