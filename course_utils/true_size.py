@@ -1,6 +1,6 @@
 """Training memory of a real-size model, measured on the CPU in seconds with fake tensors.
 
-Introduced in 13_fsdp_by_hand (and used again in 15_fine_tuning_small_cards). The model is built on the
+Introduced in 14_will_it_fit (and used again in 16_fine_tuning_small_cards). The model is built on the
 ``meta`` device, sharded with FSDP2's ``fully_shard`` on a world from torch's ``fake`` process-group backend
 (every collective returns at once, no other process exists), then materialised with ``to_empty`` under
 ``FakeTensorMode``: every tensor has a shape, a dtype and a storage size, and no bytes. torch's

@@ -1,6 +1,6 @@
 """Will it fit on my cards? The reader's own model and cards, one training step measured at true size.
 
-Introduced for 15_fine_tuning_small_cards's FAQ (scripts/will_it_fit.py is its command line). Lessons 13 and 15
+Introduced for 16_fine_tuning_small_cards's FAQ (scripts/will_it_fit.py is its command line). Lessons 14 and 16
 measure the article's examples with ``course_utils.true_size``; ``will_it_fit`` does the same for any Llama-family
 decoder (Llama 2/3, Mistral, Qwen2/2.5: a named shape, a ``config.json`` or a hub name) on the cards the reader
 names, and picks a plan::
@@ -21,10 +21,10 @@ How each row is found (the ``how`` column says which):
 - **counted on a measured replica**: ZeRO-1 and ZeRO-2, and every mixed-precision replica row, from
   ``true_size.replica_strategies`` (the ZeRO paper's 2 + 2 + 12 bytes on a replica measured in pure bf16).
 - **counted: needs a GPU**: QLoRA's 4-bit base (NF4 with double quantisation, 4.127 bits per weight), counted from
-  the bf16-base LoRA row as lesson 15 counts it: bitsandbytes has no CPU kernels to measure.
+  the bf16-base LoRA row as lesson 16 counts it: bitsandbytes has no CPU kernels to measure.
 
 A row fits when its peak is at most ``USABLE`` (85%) of the card: the rest is for what no tensor meter sees (CUDA
-context, the allocator's cache and fragmentation, NCCL's buffers), as lessons 13 and 15 keep it. The cheapest plan
+context, the allocator's cache and fragmentation, NCCL's buffers), as lessons 14 and 16 keep it. The cheapest plan
 is the first row that fits in this order: no activation checkpointing before checkpointing (a third more compute),
 then DDP, ZeRO-1, ZeRO-2, FSDP2 (more communication each). Pure bf16 (bf16 weights and AdamW moments, no fp32
 master) is shown, never chosen: it is a different training.
@@ -44,11 +44,12 @@ from course_utils.true_size import (ARTICLE_14GB, GiB, LLAMA2_7B, MISTRAL_7B, Ll
                                     replica_strategies)
 
 __all__ = ["MODELS", "CARDS", "USABLE", "SUPPORTED", "resolve_model", "shape_from_config", "parse_cards",
-           "will_it_fit", "Plan", "Row", "measure_replica", "tiny_like", "check_plan", "WillItFitError"]
+           "will_it_fit", "Plan", "Row", "measure_replica", "extend_by_blocks", "tiny_like", "check_plan",
+           "WillItFitError"]
 
 USABLE = 0.85
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-NF4_BITS = 4.127               # NF4 + double quantisation (Dettmers et al. 2023), as lesson 15 counts it
+NF4_BITS = 4.127               # NF4 + double quantisation (Dettmers et al. 2023), as lesson 16 counts it
 
 # Published shapes (each config.json on the hub) and the hub name scripts/finetune_lora.py loads them from.
 LLAMA3_8B = LlamaShape("Llama-3-8B", vocab_size=128256, d_model=4096, n_layer=32, d_ff=14336, n_head=32, n_kv_head=8)
@@ -191,6 +192,14 @@ KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporari
 DEPTHS = (2, 3)
 
 
+def extend_by_blocks(a, b, blocks):
+    """``a`` measured at L decoder blocks and ``b`` at L + 1, extended by ``blocks`` more blocks than ``a``:
+    ``a + blocks * (b - a)``, key by key through nested dicts of bytes (or counts)."""
+    if isinstance(a, dict):
+        return {k: extend_by_blocks(a[k], b[k], blocks) for k in a}
+    return a + blocks * (b - a)
+
+
 def measure_replica(shape, **kw):
     """``measure_step(shape, strategy="replica", **kw)``, measured at 2 and 3 blocks and extended to
     ``shape.n_layer`` (each kind of each phase grows by the same bytes per block; see the module docstring)."""
@@ -199,9 +208,9 @@ def measure_replica(shape, **kw):
     t0 = time.perf_counter()
     a, b = (measure_step(dataclasses.replace(shape, n_layer=L), strategy="replica", **kw) for L in DEPTHS)
     extra = shape.n_layer - DEPTHS[0]
-    out = {phase: {k: a[phase][k] + extra * (b[phase][k] - a[phase][k]) for k in KINDS}
+    out = {phase: extend_by_blocks({k: a[phase][k] for k in KINDS}, {k: b[phase][k] for k in KINDS}, extra)
            for phase in ("forward", "backward", "step")}
-    out.update(n_params=shape.n_params, n_trainable=a["n_trainable"] + extra * (b["n_trainable"] - a["n_trainable"]),
+    out.update(n_params=shape.n_params, n_trainable=extend_by_blocks(a["n_trainable"], b["n_trainable"], extra),
                param_dtype=a["param_dtype"], autocast=a["autocast"], seconds=time.perf_counter() - t0,
                how=f"measured (blocks {DEPTHS[0]}, {DEPTHS[1]})")
     return out
@@ -407,7 +416,7 @@ class Plan:
                "ZeRO-2": "DDP's step; for ZeRO-2 use course_utils.zero.ShardedOptimizer(reduce_scatter=True) "
                          "without DDP (lesson 12)",
                "FSDP2": "DDP's step; for FSDP2 fully_shard each decoder block, then the root, with "
-                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (lesson 13)"}[row.strategy]
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (lesson 14)"}[row.strategy]
         ck = "; activation checkpointing per block (torch.utils.checkpoint)" if row.checkpoint else ""
         return " ".join(words), (f"lesson 11's script trains the course's GPT, not {self.shape.name}: it runs {how}"
                                  f"{ck}; put your model and data where it builds make_gpt and get_batch")

@@ -1,5 +1,5 @@
 """Fine-tune a causal LM with LoRA adapters under torchrun: DDP over the adapters, or FSDP2 over the frozen base
-(15_fine_tuning_small_cards). Checkpoints with torch.distributed.checkpoint (DCP), resumable at any world size.
+(16_fine_tuning_small_cards). Checkpoints with torch.distributed.checkpoint (DCP), resumable at any world size.
 
 One node, 2 processes, the lesson's tiny Llama (random weights from --seed, nothing downloaded):
     torchrun --standalone --nproc-per-node=2 scripts/finetune_lora.py --model tiny --strategy ddp --steps 20
@@ -205,7 +205,7 @@ def save_adapters(model, args, directory):
     """The trained adapters in peft's format, in ``directory``: ``adapter_model.safetensors`` and
     ``adapter_config.json``, loaded by ``PeftModel.from_pretrained(base, directory)``. Every rank takes part (under
     FSDP each holds 1/W of every adapter); the whole tensors come to rank 0's CPU only, and rank 0 writes them with
-    course_utils.lora.save_adapter, as lesson 15 does from one process."""
+    course_utils.lora.save_adapter, as lesson 16 does from one process."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     state = get_model_state_dict(model, options=options)          # {} on every rank but 0
     if dist.get_rank() == 0:

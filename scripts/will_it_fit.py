@@ -1,5 +1,5 @@
 """Will it fit on my cards? One training step of your model measured at true size, on this CPU, in under a minute
-(course_utils.will_it_fit; lessons 13 and 15 measure the same way with fake tensors).
+(course_utils.will_it_fit; lessons 14 and 16 measure the same way with fake tensors).
 
 LoRA of Llama 2 7B on two 24 GB cards:
     python scripts/will_it_fit.py --model llama-2-7b --cards 2x24GiB --method lora

@@ -1,23 +1,27 @@
-"""scripts/finetune_lora.py (15_fine_tuning_small_cards) under torchrun on the CPU with the tiny Llama: one node of 2
+"""scripts/finetune_lora.py (16_fine_tuning_small_cards) under torchrun on the CPU with the tiny Llama: one node of 2
 ranks (DDP and FSDP), two "nodes" of 1 rank (static rendezvous), a rank killed under ``--max-restarts=1`` (the job
 restarts and resumes from its DCP checkpoint by itself), a resume at another world size, and the adapters it saves
 in peft's format. (Its memory at Llama 2 7B's size: tests/test_finetune_fits.py.)
 
-Seven torchruns, each paying the imports of every rank, so each serves as many checks as it can:
+Six torchruns, each paying the imports of every rank, so each serves as many checks as it can:
 - ``straight`` (module fixture), DDP on 1 node x 2, with a DCP checkpoint at the end and ``--adapter-dir``: the
   reference loss, the same-loss check, and the adapters written where ``--adapter-dir`` says;
 - ``straight``, FSDP on 1 node x 2, checkpoints at steps 3 and 6: the reference of every FSDP check, the adapters
   written beside the checkpoints, and the step-3 checkpoint that the other-world-size test resumes on 1 rank;
-- two nodes of 1 rank (two torchruns); the killed rank (one torchrun, two attempts); the resume on 1 rank; the
-  restarted attempt's store (a small script, not the fine-tuning one).
+- two nodes of 1 rank (two torchruns); the killed rank (one torchrun, two attempts); the restarted attempt's store
+  (a small script, not the fine-tuning one).
+What needs no launcher runs the script's own functions in this process: the resume on 1 rank (``main`` as the one
+rank of a world of 1: what DCP reshards is the check, torchrun's part is the other runs'), and the refused options.
 
     .venv/bin/python -m pytest tests/test_finetune_script.py -p no:randomly
 """
+import importlib.util
 import re
 import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import ROOT, finish, kill_process_group, retry_on_port_clash, start_torchrun, wait_until_listening
 
@@ -38,6 +42,33 @@ def _run(what, *torchrun_args, script_args=(), timeout=800):
         return finish(proc, what, timeout=timeout)
     finally:
         kill_process_group(proc)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("finetune_lora", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_in_process(script_args, monkeypatch, capsys):
+    """The script's ``main`` in this process, as the one rank of a world of 1 that ``torchrun --standalone
+    --nproc-per-node=1`` would start (its environment, gloo on loopback, the GPUs hidden as ``torchrun_env`` hides
+    them; the store on a port the system picks). Returns what it printed."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "GLOO_SOCKET_IFNAME": "lo"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    threads = torch.get_num_threads()              # the script sets 1 thread per rank on the CPU
+    try:
+        _script().main([*ARGS, *map(str, script_args)])
+    finally:
+        torch.set_num_threads(threads)
+        if dist.is_initialized():                  # main failed before destroying its group
+            dist.destroy_process_group()
+    return capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -125,23 +156,24 @@ def test_a_killed_rank_restarts_the_job_which_resumes_by_itself(straight, tmp_pa
         "a job resumed from its checkpoint at the same world size must end with the uninterrupted run's loss")
 
 
-def test_resume_at_another_world_size(straight, tmp_path):
-    """Resumes on 1 rank from the step-3 checkpoint that the FSDP reference run wrote on 2 ranks."""
+def test_resume_at_another_world_size(straight, tmp_path, monkeypatch, capsys):
+    """Resumes on 1 rank from the step-3 checkpoint that the FSDP reference run wrote on 2 ranks (the script's
+    ``main`` in this process, as the one rank of a world of 1)."""
     shutil.copytree(straight["dirs"]["fsdp"] / "step_3", tmp_path / "step_3")
     (tmp_path / "latest").write_text("step_3")
-    out = _run("fsdp, resumed on 1 rank", "--standalone", "--nproc-per-node=1",
-               script_args=["--strategy", "fsdp", "--checkpoint-dir", tmp_path, "--resume"])
+    out = _run_in_process(["--strategy", "fsdp", "--checkpoint-dir", tmp_path, "--resume"], monkeypatch, capsys)
     assert "resumed from" in out and "at step 3" in out and "on 1 ranks" in out, out[-3000:]
     # 2 ranks summed the first 3 steps' gradients in another order than 1 rank would: rounding, not bit for bit
     assert abs(_final(out, "resumed at 1 rank") - straight["fsdp"]) < 1e-4, (out[-2000:], straight)
 
 
-def test_resume_without_a_checkpoint_dir_is_refused():
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--resume"], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode != 0 and "--resume needs --checkpoint-dir" in proc.stderr, proc.stderr
+def test_resume_without_a_checkpoint_dir_is_refused(capsys):
+    """The script's own argument parser, in this process: what ``python scripts/finetune_lora.py --resume`` runs
+    before anything else (main parses first)."""
+    with pytest.raises(SystemExit) as exit_:
+        _script().parse_args(["--resume"])
+    err = capsys.readouterr().err
+    assert exit_.value.code != 0 and "--resume needs --checkpoint-dir" in err, err
 
 
 RESTARTED = '''

@@ -1,4 +1,4 @@
-"""course_utils.lora (15_fine_tuning_small_cards): LoRA by hand equals peft, merges, saves adapters peft loads, and
+"""course_utils.lora (16_fine_tuning_small_cards): LoRA by hand equals peft, merges, saves adapters peft loads, and
 the frozen-parameter peak meter and the fake-tensor true-size measurement agree with the formulas. One process.
 
     .venv/bin/python -m pytest tests/test_lora.py -p no:randomly
@@ -133,7 +133,7 @@ def test_true_size_with_fake_tensors_matches_the_formulas():
     assert lora["total"] < full["total"] * 2
 
 
-def test_true_size_peak_agrees_with_lesson_13s_measure_step():
+def test_true_size_peak_agrees_with_lesson_14s_measure_step():
     """15's cell "At the true size" sizes the 7B rows with measure_step; true_size_peak (exercise 3) measures the same
     step on transformers' LlamaForCausalLM. On a small grouped-query shape, given as a LlamaShape as MISTRAL_7B is,
     the two peaks agree within 3 % (DDP on one rank, FSDP2 at W = 2)."""
@@ -163,7 +163,7 @@ def test_mistral_7b_is_one_object_and_true_size_peak_takes_it():
     import course_utils.true_size as true_size
     from course_utils.lora import llama_config
 
-    assert lora.MISTRAL_7B is true_size.MISTRAL_7B, "one MISTRAL_7B for lessons 13 and 15"
+    assert lora.MISTRAL_7B is true_size.MISTRAL_7B, "one MISTRAL_7B for lessons 14 and 16"
     config = llama_config(true_size.MISTRAL_7B)
     assert (config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"]) == (4096, 14336, 8)
     with pytest.raises(TypeError, match="LlamaShape"):
@@ -171,7 +171,7 @@ def test_mistral_7b_is_one_object_and_true_size_peak_takes_it():
 
 
 def test_card_verdicts_size_cards_in_gib():
-    """The numbers that once fooled lesson 15: LoRA + DDP at 14.0e9 bytes was judged against 0.85 x 16e9 = 13.6e9 and
+    """The numbers that once fooled lesson 16: LoRA + DDP at 14.0e9 bytes was judged against 0.85 x 16e9 = 13.6e9 and
     refused a 16 GB card, which has 16 GiB: 0.85 x 16 GiB = 14.6e9 bytes."""
     from course_utils.lora import card_verdicts
     from course_utils.true_size import GiB

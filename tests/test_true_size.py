@@ -1,4 +1,4 @@
-"""course_utils.true_size (13_fsdp_by_hand): a real-size model's training memory, measured with fake tensors; and
+"""course_utils.true_size (14_will_it_fit): a real-size model's training memory, measured with fake tensors; and
 memory.collective_scratch_bytes, gloo's own buffers.
 
     .venv/bin/python -m pytest tests/test_true_size.py -p no:randomly
@@ -105,7 +105,7 @@ def test_gloo_holds_one_copy_for_gather_and_scatter_and_none_for_all_reduce(make
         assert round(copies["all-reduce"]) == 0, copies
 
 
-def _lora_over_bf16_base(model):  # as 15_fine_tuning_small_cards's true-size cell
+def _lora_over_bf16_base(model):  # as 16_fine_tuning_small_cards's true-size cell
     import torch
 
     from course_utils.lora import add_lora
@@ -120,7 +120,7 @@ def _lora_over_bf16_base(model):  # as 15_fine_tuning_small_cards's true-size ce
 @pytest.mark.parametrize("setup", [dict(strategy="replica"), dict(strategy="fsdp2", world_size=2,
                                                                     mixed_precision=True)])
 def test_a_frozen_base_with_adapters_is_measured_as_real_tensors_are(setup):
-    """Lesson 15's true-size table: measure_step with a frozen bf16 base (MemTracker refused frozen parameters
+    """Lesson 16's true-size table: measure_step with a frozen bf16 base (MemTracker refused frozen parameters
     before skip_frozen) measures the bytes real tensors hold, and only the adapters get gradients and state."""
     fake = measure_step(TINY, seq_len=32, checkpoint=True, modify=_lora_over_bf16_base, **setup)
     real = measure_step(TINY, seq_len=32, checkpoint=True, modify=_lora_over_bf16_base, fake=False, **setup)
@@ -151,7 +151,7 @@ def test_the_warm_up_on_zero_gradients_leaves_what_a_whole_step_leaves(setup):
 
 
 def test_only_a_step_new_to_dtensor_s_caches_is_overcounted():
-    """Lesson 13's explanation of the fake run's one known error: with DTensor's sharding-propagation caches empty,
+    """Lesson 14's explanation of the fake run's one known error: with DTensor's sharding-propagation caches empty,
     the first foreach step's optimizer state is overcounted under FakeTensorMode; with them full, it is not."""
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
