@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import os
 import re
+import signal
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ from course_utils.gpt import CharTokenizer, get_batch, load_checkpoint, load_cor
 from course_utils.micro_ddp import POWERSGD_WARMUP_STEPS, MicroDDP, PowerSGD
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, over all ranks")
@@ -74,7 +75,7 @@ def parse_args():
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.powersgd_warmup < 0:
         p.error(f"--powersgd-warmup {args.powersgd_warmup}: give 0 (compress from the first step) or more")
     return args
@@ -153,8 +154,9 @@ def setup():
     return dist.get_rank(), dist.get_world_size(), local_rank, device
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    """The run: ``argv`` are the command line's arguments (None: ``sys.argv[1:]``)."""
+    args = parse_args(argv)
     rank, world_size, local_rank, device = setup()
     micro_batch_size, global_batch_size = args.micro_batch_size, args.global_batch_size
     if global_batch_size % (micro_batch_size * world_size):
@@ -207,6 +209,10 @@ def main():
     if rank == 0:
         print(f"world_size={world_size} accum_steps={accum_steps} micro_batch_size={micro_batch_size} "
               f"global_batch_size={global_batch_size} backend={dist.get_backend()}")
+    # For tests/test_train_script.py only: with MICRO_DDP_TEST_PAUSE_AFTER_STEP=N, every rank stops once step N is
+    # logged and checkpointed, until a signal ends it (the test kills a rank there: a crash mid-run, which can never
+    # land after the run has ended). Unset, as in every real run, nothing waits.
+    pause_after = int(os.environ.get("MICRO_DDP_TEST_PAUSE_AFTER_STEP") or 0)
     loss = torch.zeros((), device=device)
     for step in range(start, args.steps):
         loss = torch.zeros((), device=device)
@@ -240,6 +246,11 @@ def main():
             if rank == 0:
                 save_checkpoint(args.checkpoint, state)
             dist.barrier()  # nobody reads or overwrites the file before it is complete
+        if done == pause_after:  # tests only (see pause_after above): wait here until a signal ends this rank
+            if rank == 0:
+                print(f"paused after step {done} (MICRO_DDP_TEST_PAUSE_AFTER_STEP)", flush=True)
+            while True:
+                signal.pause()
     if rank == 0:
         final = loss.item() if finished_loss is None else finished_loss
         print(f"final_loss={final!r}", flush=True)

@@ -6,6 +6,9 @@ Backend-aware (issue 22): on a machine with 2 or more GPUs the kernel's ``%%ddp 
 visible; elsewhere both run on gloo with the GPUs hidden (``torchrun_env``), as before."""
 import ast
 import os
+import re
+
+import pytest
 
 from conftest import finish, retry_on_port_clash, start_torchrun, torchrun_env
 from course_utils import choose_backend
@@ -165,47 +168,49 @@ atexit.register(_gloo_threads)
 '''
 
 
-def _run_exported(tmp_path, cells, env=None):
-    path = write_script(tmp_path / "exported.py", [("cell", "-n 2", c) for c in cells], world_size=2,
-                        backend="gloo")
-
-    def run(port):
-        proc = start_torchrun("--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static", "--node-rank=0",
-                              "--master-addr=127.0.0.1", f"--master-port={port}", script=path, cwd=tmp_path,
-                              env=env or torchrun_env())
-        return finish(proc, "the exported script")
-
-    return retry_on_port_clash(run)
+# One write per line: the two ranks share torchrun's unbuffered stdout, and print()'s separate writes of
+# "sum", " ", "2.0" and "\n" interleaved as "sumsum  2.02.0" in CI.
+SUM_CELL = "import sys\nt = torch.ones(1)\ndist.all_reduce(t)\nsys.stdout.write(f'sum {t.item()}\\n')"
 
 
-def test_an_exported_ddp_cell_frees_its_group_before_the_interpreter_ends(tmp_path):
-    """The abort at exit (2 runs in 15, "terminate called without an active exception"): the cells' global
-    DDP model kept its Reducer and the gloo group alive into the interpreter's shutdown."""
-    if not os.path.isdir("/proc/self/task"):
-        import pytest
-
-        pytest.skip("reads /proc")
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory):
+    """The output of one torchrun (2 ranks, gloo) of the script exported from DDP_ADAMW, TORCHRUN_STYLE and
+    SUM_CELL, every rank saying at exit which gloo threads still run (AT_EXIT). The two tests below read it: a
+    torchrun of fresh interpreters that import torch costs seconds."""
+    tmp_path = tmp_path_factory.mktemp("exported")
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(AT_EXIT)
     env = torchrun_env()
     env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
-    out = _run_exported(tmp_path, [DDP_ADAMW], env=env)
-    import re
+    path = write_script(tmp_path / "exported.py", [("cell", "-n 2", c) for c in (DDP_ADAMW, TORCHRUN_STYLE, SUM_CELL)],
+                        world_size=2, backend="gloo")
 
+    def run(port):
+        proc = start_torchrun("--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static", "--node-rank=0",
+                              "--master-addr=127.0.0.1", f"--master-port={port}", script=path, cwd=tmp_path, env=env)
+        return finish(proc, "the exported script")
+
+    return retry_on_port_clash(run)
+
+
+def test_an_exported_ddp_cell_frees_its_group_before_the_interpreter_ends(exported_run):
+    """The abort at exit (2 runs in 15, "terminate called without an active exception"): the cells' global
+    DDP model kept its Reducer and the gloo group alive into the interpreter's shutdown."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("reads /proc")
+    out = exported_run
     found = dict(re.findall(r"rank (\d) gloo threads at exit: (\[[^\]]*\])", out))  # two ranks share stdout
     assert sorted(found) == ["0", "1"] and "trained 0" in out and "trained 1" in out, out[-3000:]
     for r, threads in found.items():
         assert threads == "[]", f"rank {r}: the group's gloo threads were alive at exit: {threads}"
 
 
-def test_an_exported_torchrun_style_cell_runs_and_keeps_the_group(tmp_path):
+def test_an_exported_torchrun_style_cell_runs_and_keeps_the_group(exported_run):
     """A cell that calls init_process_group and destroy_process_group itself (lesson 00's demo_basic) failed in
     the script with "trying to initialize the default process group twice!"."""
-    # One write per line: the two ranks share torchrun's unbuffered stdout, and print()'s separate writes of
-    # "sum", " ", "2.0" and "\n" interleaved as "sumsum  2.02.0" in CI.
-    sum_cell = "import sys\nt = torch.ones(1)\ndist.all_reduce(t)\nsys.stdout.write(f'sum {t.item()}\\n')"
-    out = _run_exported(tmp_path, [TORCHRUN_STYLE, sum_cell])
+    out = exported_run
     for r in (0, 1):
         assert f"Finished running basic DDP example on rank {r}." in out, out[-3000:]
     assert out.count("sum 2.0") == 2, out[-3000:]

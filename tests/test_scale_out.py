@@ -5,7 +5,8 @@
   the elastic one (``--rdzv-backend=c10d --rdzv-endpoint --rdzv-id``): the same final loss as one node x 4,
   to the last digit (data sharded by global rank, everything seeded);
 - ``python scripts/train_micro_ddp.py``: one process, no torchrun, world size 1: the same micro-batches, so
-  the same loss up to floating-point summation order.
+  the same loss up to floating-point summation order (its ``main(argv)`` run in this process: the pytest process
+  has torch imported already, and tests/test_train_script.py starts the script as a plain process).
 
     .venv/bin/python -m pytest tests/test_scale_out.py -p no:randomly
 
@@ -14,14 +15,14 @@ own session and its whole process group is killed when a test ends, so a failing
 A fixed port (the static and c10d forms) is probed, then handed to torchrun: if another process takes it in
 between, the launch is retried on a new port (conftest.retry_on_port_clash).
 """
+import importlib.util
 import re
-import subprocess
-import sys
 
 import pytest
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any group of this process: see the script's setup()
 
-from conftest import (ROOT, finish, kill_process_group, retry_on_port_clash, start_torchrun, torchrun_env,
-                      wait_until_listening)
+from conftest import ROOT, finish, kill_process_group, retry_on_port_clash, start_torchrun, wait_until_listening
 
 SCRIPT = ROOT / "scripts" / "train_micro_ddp.py"
 TRAIN_ARGS = ["--steps", "3", "--global-batch-size", "16", "--micro-batch-size", "2", "--log-every", "1"]
@@ -102,14 +103,20 @@ def test_two_nodes_with_elastic_c10d_rendezvous_match_one_node(torchrun, one_nod
     _assert_same_run(Run("2 nodes x 2 (c10d)", out0, out1), one_node)
 
 
-def test_one_process_without_torchrun(one_node):
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *TRAIN_ARGS], cwd=ROOT, env=torchrun_env(),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def test_one_process_without_torchrun(one_node, capsys, monkeypatch):
+    """What `python scripts/train_micro_ddp.py` runs, its main(argv) with no torchrun variable set (RANK absent):
+    a world of one, here in this process."""
+    spec = importlib.util.spec_from_file_location("train_micro_ddp", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.delenv("RANK", raising=False)
+    capsys.readouterr()
     try:
-        single = Run("python scripts/train_micro_ddp.py", finish(proc, "python scripts/train_micro_ddp.py"))
+        script.main(TRAIN_ARGS)
     finally:
-        kill_process_group(proc)
+        if dist.is_initialized():  # main() destroys its group when it ends; not when it fails
+            dist.destroy_process_group()
+    single = Run("python scripts/train_micro_ddp.py", capsys.readouterr().out)
     assert "world_size=1 accum_steps=8" in single.out, f"one process must be a world of 1 with 8 micro-steps:\n" \
                                                        f"{single.out}"
     # World size 1 with 8 micro-steps sees the same 8 micro-batches as 4 ranks x 2 (sharded by global rank);
