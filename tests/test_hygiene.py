@@ -145,6 +145,9 @@ def test_opens_with_title_and_setup_cell(path):
     first = nb["cells"][0]
     assert first["cell_type"] == "markdown" and _source(first).lstrip().startswith("# "), (
         f"{path.name}: the first cell must be markdown starting with a '# Title' line")
+    title = _source(first).lstrip().splitlines()[0]
+    assert title.startswith(f"# {path.name[:2]} · "), (
+        f"{path.name}: its title {title!r} must start with its own number, '# {path.name[:2]} · '")
     code = _code(nb)
     assert code, f"{path.name} has no code cell"
     setup = _source(code[0][1])
@@ -168,6 +171,10 @@ def test_links_to_previous_next_and_lesson_map(path):
     for where, cells in places.items():
         links = {t.removeprefix("./") for c in cells if c["cell_type"] == "markdown" for t in _links(_source(c))}
         absent = [f"{what} ({target})" for target, what in wanted.items() if target not in links]
+        for c in cells:   # a nav link's text carries the number of the lesson it links: [14 Will it fit? →](14_...)
+            if c["cell_type"] == "markdown":
+                for number, target in re.findall(r"\[(?:← )?(\d\d) [^\]]*\]\((\d\d)_[^)]*\.ipynb\)", _source(c)):
+                    assert number == target, f"{path.name}: the nav link to {target}_... says {number}"
         assert not absent, f"{path.name}: the nav links at the {where} miss {absent}; found {sorted(links)}"
     stray = [t for c in nb["cells"] if c["cell_type"] == "markdown" for t in _links(_source(c))
              if t.endswith(".ipynb") and "://" not in t and not (path.parent / t).exists()]
