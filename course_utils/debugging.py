@@ -103,8 +103,8 @@ class Job:
 
     def step_seconds(self):
         """``{rank: [seconds, ...]}``: how long each step after the first took on each rank that finished (from
-        one "step N done" line to the next; the first step also pays for one-time work, such as the optimizer's
-        first ``step``)."""
+        one "step N done" line to the next; the first step also pays for one-time work, such as autograd's first
+        backward and gloo's first use of each connection)."""
         steps = {}
         for rank, said in sorted(self.extra.get("said", {}).items()):
             ends = [t for t, line in said if re.fullmatch(rf"rank {rank}: step \d+ done", line)]
@@ -242,8 +242,8 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
     ``Job``. ``debug``: ``TORCH_DISTRIBUTED_DEBUG`` (OFF, INFO, DETAIL); ``flight_recorder``: leave the Flight
     Recorder on, as torch 2.13 has it by default (every ``TORCH_FR_*`` and ``TORCH_NCCL_*`` variable removed), or
     switch it off (``TORCH_FR_BUFFER_SIZE=0``); ``timeout``: the process group's, in seconds; ``spy``: when every
-    rank has gone quiet for a second, take each rank's Python stack with py-spy, then stop the job (as a person who
-    has seen where it hangs would) instead of waiting for its timeout: give it a timeout longer than that takes;
+    rank has gone quiet for a second, take each rank's Python stack with py-spy while it hangs (py-spy does not
+    stop a process: the job then runs on to its timeout, and reports and dumps as it would have without py-spy);
     ``limit``: seconds before the whole job is killed (it never should be); ``steps``: training steps (the job's
     own 4 by default: the planted bugs' collective numbers in the lesson assume them). ``out``: the folder for the
     Flight Recorder dumps; by default a temporary one, removed when the job ends (the ``Job`` keeps the dumps).
@@ -261,14 +261,12 @@ def run_job(bug, *, nproc=2, debug="OFF", flight_recorder=True, timeout=3.0, spy
     out.mkdir(parents=True, exist_ok=True)
     try:
         job = _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit, steps)
-    except BaseException:
+        job.flight_recorder = _dumps_of(out)
+        job.extra = _finished_ranks(out)
+    finally:                                                  # whatever happened, the temporary folder goes
         if temporary:
             shutil.rmtree(out, ignore_errors=True)
-        raise
-    job.flight_recorder = _dumps_of(out)
-    job.extra = _finished_ranks(out)
     if temporary:
-        shutil.rmtree(out, ignore_errors=True)
         job.out = None
     return job
 
@@ -288,6 +286,25 @@ def _finished_ranks(out):
     return found
 
 
+# torchrun (``python -m torch.distributed.run``, its failure summary and exit code as they are), then out without the
+# interpreter's teardown of torch: a CPU-second of the launcher's, after the job has ended
+_TORCHRUN = """
+import os, sys, traceback
+from torch.distributed.run import main
+try:
+    main()
+    code = 0
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+except BaseException:
+    traceback.print_exc()
+    code = 1
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
 def _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit, steps):
     for old in out.glob("*"):
         if old.is_file():
@@ -301,7 +318,7 @@ def _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit, 
     script += [] if steps is None else ["--steps", str(steps)]
     for attempt in range(4):
         port = _free_port()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+        cmd = [sys.executable, "-c", _TORCHRUN, "--nnodes=1", f"--nproc-per-node={nproc}",
                "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", "--node-rank=0",
                "--monitor-interval=0.1", *script]
         start = time.monotonic()
@@ -313,8 +330,6 @@ def _run_torchrun(bug, nproc, debug, flight_recorder, timeout, spy, out, limit, 
         try:
             if spy:
                 stacks, note = _spy_when_stuck(proc, lines, out, nproc, limit)
-                if proc.poll() is None:
-                    _kill_job(proc, out)                                  # seen where it hangs: stop the job
             proc.wait(timeout=max(1.0, limit - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             _kill_job(proc, out)
@@ -417,12 +432,14 @@ def _spy_when_stuck(proc, lines, out, nproc, limit):
         time.sleep(0.05)
         if lines and len(list(out.glob("pid_*"))) == nproc and time.monotonic() - lines[-1][0] >= 1.0:
             break
-    stacks, note = {}, ""
+    stacks, note, said = {}, "", len(lines)
     for r in range(nproc):
         try:
             stacks[r] = pyspy_dump(int((out / f"pid_{r}").read_text()), exe=exe)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
             note = str(exc)
+    if len(lines) > said:     # a rank spoke meanwhile: its timeout fired, and its stack may be its error's
+        return None, "the job's timeout fired while py-spy read the ranks: run it again, or with a longer timeout"
     return stacks, note
 
 

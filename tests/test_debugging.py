@@ -1,32 +1,35 @@
-"""course_utils.debugging and course_utils.planted_bugs (17_debugging_and_profiling): a healthy job's dumps agree, the
-analyzer needs the gloo fix, py-spy shows where each rank of a hung job is, and torchrun's verdict and the planted
-job's own reports do not depend on the machine's timing.
+"""course_utils.debugging and course_utils.planted_bugs (17_debugging_and_profiling): what the lesson's cells cannot
+show, with one torchrun of the planted job for the whole module.
 
     .venv/bin/python -m pytest tests/test_debugging.py -p no:randomly
 
 Each planted bug, plain and with TORCH_DISTRIBUTED_DEBUG=DETAIL, runs in the lesson, under nbval, and the lesson's
-cells assert what this module once ran the same jobs again to check (each bug's asserts sit in the code cell after
-the text that explains its result, so that a prediction is not answered before the learner runs it):
+cells assert (and nbval compares the outputs of) what this module once ran the same jobs again to check (each
+bug's asserts sit in the code cell after the text that explains its result, so that a prediction is not answered
+before the learner runs it):
 - a hang (skip, order) ends in the 3 s timeout on both ranks, both dump (the Flight Recorder on by default), fr_trace
-  names the collective, its culprit and the job's line: the cells after `skip = run_job("skip")`, `dump_table`,
-  `report = analyze(skip)` and `order, order_detail = run_jobs(...)`;
+  names the collective, its culprit and the job's line: the cells after `skip = run_job("skip", spy=True)`,
+  `dump_table`, `report = analyze(skip)` and `order, order_detail = run_jobs(...)`;
+- py-spy, on those same two runs while they hung, shows each rank in its collective, called from `train` (the
+  stacks are printed, so nbval fails when py-spy cannot read the ranks, as under CI it must);
 - DETAIL names each rank's collective (skip, order, shape, dtype): the `detail_summary().splitlines() == [...]`
   asserts;
 - a shape mismatch aborts rank 1 (SIGABRT), leaves rank 0's dump only, and fr_trace cannot decide;
 - a dtype mismatch (float32 against int32) finishes without an error, the replicas differ, fr_trace names
   COLLECTIVE_DTYPE_MISMATCH from the dumps written at the end, DETAIL names Float against Int;
 - a dead rank is named whichever failure torchrun saw first, and DETAIL's monitored barrier names it;
-- the healthy job, plain and with DETAIL, finishes with equal replicas and 19 timed steps (the cost's verdict is
-  printed under "Measured here:").
-What those cells cannot show (a healthy run's dumps, the analyzer without the fix, the verdict with torchrun's
-summary in either order, a stopped rank's report, the Flight Recorder's default, NCCL's default dump path) is
-tested here.
+- the healthy job, plain and with DETAIL, finishes with equal replicas, 19 timed steps and dumps in which fr_trace
+  finds nothing (the cost's verdict is printed under "Measured here:").
+What those cells cannot show is tested here: that a job leaves no temporary folder behind, py-spy under CI when
+only the tests run, the analyzer without the gloo fix and on its command line, the verdict with torchrun's
+summary in either order, a stopped rank's report, the Flight Recorder's default and NCCL's default dump path.
 """
+import gc
 import json
 import os
-import pickle
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -35,34 +38,119 @@ from conftest import in_ci
 from course_utils import debugging
 from course_utils.checks.debugging import _cases
 from course_utils.debugging import (COMPUTE_END_LABEL, Job, analyze, clean, describe_detail_cost,
-                                    describe_hidden_fractions, dump_entries, fix_gloo_dumps, gloo_error, run_job,
-                                    step_intervals)
+                                    describe_hidden_fractions, fix_gloo_dumps, gloo_error, run_job, step_intervals)
 from course_utils.planted_bugs import fr_buffer_size
-
-TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
-def healthy():
-    """A run without a bug, the Flight Recorder on: the one job of the module that every rank finishes."""
-    return run_job("none", timeout=TIMEOUT)
+def skip(tmp_path_factory):
+    """The lesson's first job (rank 1 skips the last step's loss all-reduce), py-spy on, run with Python's
+    temporary folder pointed at a folder of the test's, so that what the job and ``analyze`` leave there shows:
+    ``(job, that folder)``. The one torchrun of this module."""
+    temp = tmp_path_factory.mktemp("temp")
+    saved, tempfile.tempdir = tempfile.tempdir, str(temp)
+    try:
+        job = run_job("skip", spy=True)
+        analyze(job)                                          # through a temporary folder of its own
+    finally:
+        tempfile.tempdir = saved
+    return job, temp
 
 
-def test_a_healthy_run_finishes_and_its_dumps_agree(healthy):
-    assert healthy.returncode == 0, healthy.output[-3000:]
-    assert healthy.report().endswith("every rank finished (exit code 0)")
-    assert healthy.out is None and sorted(healthy.dumps()) == [0, 1], "the dumps kept, the temporary folder removed"
-    assert analyze(healthy) == "", "fr_trace reports nothing for a run whose ranks agree"
-    ops = [[e["op"] for e in dump_entries(p)] for p in healthy.dumps().values()]
-    assert ops[0] == ops[1] and ops[0][-1] == "barrier" and ops[0].count("all_reduce") == 8, ops
-    assert healthy.replicas_agree() is True, "DDP's promise: every rank ends with the same parameters"
-    assert [len(s) for s in healthy.step_seconds().values()] == [3, 3], healthy.step_seconds()
+def test_a_job_and_its_analysis_leave_no_temporary_folder(skip, tmp_path, monkeypatch):
+    job, temp = skip
+    assert job.out is None and sorted(job.dumps()) == [0, 1], "the dumps kept, the temporary folder removed"
+    assert sorted(p.name for p in temp.glob("fr_*")) == [], "run_job and analyze remove the folders they made"
+
+    def fails(*args):
+        raise RuntimeError("it failed")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(debugging, "_run_torchrun", fails)    # torchrun could not start, or ran past its limit
+    with pytest.raises(RuntimeError, match="it failed"):
+        run_job("skip")
+    ended = Job(bug="skip", returncode=1, lines=[], failures=[], out=None, seconds=0.0)
+    monkeypatch.setattr(debugging, "_run_torchrun", lambda *args: ended)
+    monkeypatch.setattr(debugging, "_finished_ranks", fails)  # the job ended, but what it left could not be read
+    with pytest.raises(RuntimeError, match="it failed"):
+        run_job("skip")
+    assert list(tmp_path.glob("fr_*")) == [], "nor a job that failed"
 
 
-_FR_SCRIPT = """
-import json, sys, torch, torch.distributed as dist
+def test_pyspy_shows_where_each_rank_hangs_and_the_job_still_times_out(skip):
+    """The lesson prints these stacks (nbval compares them); this fails, not skips, under CI when only the tests
+    run and py-spy cannot read the ranks."""
+    job, _ = skip
+    if not job.stacks:
+        ok, why = debugging.pyspy_available()
+        message = f"py-spy cannot read another process here: {job.spy_note or why}"
+        if in_ci():
+            pytest.fail(message + " (under CI this must work: run the job's ranks as the same user, or allow "
+                                  "ptrace, e.g. kernel.yama.ptrace_scope=0)")
+        pytest.skip(message)
+    assert job.stacks[0][-1].startswith("all_reduce (torch/distributed/distributed_c10d.py:")
+    assert job.stacks[1][-1].startswith("barrier (torch/distributed/distributed_c10d.py:")
+    assert all(any(f.startswith("train (planted_bugs.py:") for f in s) for s in job.stacks.values())
+    assert not any("<frozen" in f for s in job.stacks.values() for f in s)
+    assert any("Timed out waiting 3000ms" in job.last_words(r) for r in (0, 1)), "read, not stopped: it timed out"
+
+
+def test_torch_2_13s_analyzer_needs_the_gloo_dump_fix_and_analyze_says_what_its_command_line_says(skip, tmp_path):
+    """If the first assert fails, torch names gloo's default group in pg_config now: drop fix_gloo_dumps. Then
+    analyze() runs fr_trace's main in this process (no second Python importing torch): the same text as the command
+    line, computed once per set of dumps, and the garbage collector, which fr_trace's loader switches off, switched
+    on again."""
+    job, _ = skip
+    for rank, data in job.dumps().items():
+        (tmp_path / f"fr_{rank}").write_bytes(data)
+    unfixed = debugging._analyze(tmp_path, ())                # fr_trace's main on the dumps as the ranks wrote them
+    assert "KeyError: ('0', 0)" in unfixed, unfixed[-2000:]
+    assert fix_gloo_dumps(tmp_path) == 2 and fix_gloo_dumps(tmp_path) == 0
+    mine = analyze(tmp_path)
+    sorted_walk = ("import os, sys; walk = os.walk; os.walk = lambda *a, **k: ((r, d, sorted(f)) for r, d, f in "
+                   "walk(*a, **k)); from torch.distributed.flight_recorder.fr_trace import main; main(sys.argv[1:])")
+    cli = subprocess.run([sys.executable, "-c", sorted_walk, str(tmp_path), "-p", "fr_", "--allow-incomplete-ranks"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "Traceback" not in cli.stdout + cli.stderr, cli.stdout + cli.stderr[-2000:]
+    assert mine == debugging._tidy(cli.stdout + cli.stderr, tmp_path) and "Culprit rank 1" in mine, mine
+    assert analyze(tmp_path) is mine, "the same dumps are analyzed once"
+    assert gc.isenabled(), "fr_trace's loader switches the garbage collector off: analyze() must switch it on again"
+
+
+# -- torch's defaults, each read in a child of one fresh interpreter ---------------------------------------------
+
+_CHILDREN = r"""
+import json, os, sys, traceback
+import torch, torch.distributed
+# torch reads the variables below when a process first uses the Flight Recorder or its dump writer, not at import:
+# each case runs in a child forked from here, a process that has used neither, with the case's own variables
+results = {}
+for name, variables, code in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.dup2(write, 1)
+        os.environ.update(variables)
+        try:
+            exec(code, {})
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        sys.stdout.flush()
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    results[name] = (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), said)
+print(json.dumps(results))
+"""
+
+_FR_CASE = """
+import json, torch, torch.distributed as dist
 from course_utils.planted_bugs import fr_buffer_size
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 dist.all_reduce(torch.ones(3))
 dist.barrier()
 entries = json.loads(torch._C._distributed_c10d._dump_fr_trace_json()).get("entries", [])
@@ -70,29 +158,8 @@ print(json.dumps([fr_buffer_size(), [e["profiling_name"] for e in entries]]))
 dist.destroy_process_group()
 """
 
-
-@pytest.mark.parametrize("variables, size", [({}, 2000), ({"TORCH_FR_BUFFER_SIZE": "0"}, 0),
-                                             ({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, 0),
-                                             ({"TORCH_FR_BUFFER_SIZE": "5", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, 5)],
-                         ids=["no variable", "FR=0", "old name=0", "the new name wins"])
-def test_the_flight_recorder_is_on_by_default_and_fr_buffer_size_reads_it_as_torch_does(variables, size):
-    """torch 2.13's FlightRecorder.hpp: getCvarInt({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000).
-    A fresh interpreter with every TORCH_FR_* and TORCH_NCCL_* variable removed (then the case's own), a world of
-    one on gloo: an all-reduce and a barrier are recorded unless the size is 0, and planted_bugs.fr_buffer_size
-    (which decides whether the planted job dumps) reads the same size. Lesson 17 said the recorder was off unless
-    a variable was set: the first case fails on that claim."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
-    env.update(variables, PYTHONPATH=str(debugging.ROOT))
-    result = subprocess.run([sys.executable, "-c", _FR_SCRIPT, str(debugging._free_port())], env=env,
-                            capture_output=True, text=True, timeout=120, cwd=debugging.ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    read, names = json.loads(result.stdout.strip().splitlines()[-1])
-    assert read == size == fr_buffer_size(variables)
-    assert names == ([] if size == 0 else ["gloo:all_reduce", "gloo:barrier"]), names
-
-
-_WRITER_SCRIPT = """
-import ctypes, os, torch, torch.distributed
+_WRITER_CASE = """
+import ctypes, os, torch
 lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
 get_writer = lib._ZN4c10d15DebugInfoWriter9getWriterEi          # c10d::DebugInfoWriter::getWriter(int rank)
 get_writer.restype, get_writer.argtypes = ctypes.c_void_p, [ctypes.c_int]
@@ -102,68 +169,85 @@ data, length = ctypes.c_void_p.from_address(writer + 8).value, ctypes.c_size_t.f
 print(ctypes.string_at(data, length).decode())
 """
 
+_SIGTERM_CASE = """
+import os, signal, time
+from course_utils import planted_bugs
+signal.signal(signal.SIGTERM, lambda *_: planted_bugs.on_sigterm({out!r}, 0, 2.0))
+os.kill(os.getpid(), signal.SIGTERM)
+print('still here, stopping:', planted_bugs._STOPPING.is_set(), flush=True)
+time.sleep(60)
+print('never printed', flush=True)
+"""
+
+_FR_SIZES = {"no variable": ({}, 2000), "FR=0": ({"TORCH_FR_BUFFER_SIZE": "0"}, 0),
+             "old name=0": ({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, 0),
+             "the new name wins": ({"TORCH_FR_BUFFER_SIZE": "5", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, 5)}
+
+
+def _writer_cases(tmp):
+    """``{name: (variables, the dump path torch 2.13 should give rank 3)}``."""
+    home, cache = tmp / "home", tmp / "cache"
+    return {"HOME": ({"HOME": str(home)}, f"{home}/.cache/torch/comm_lib_trace_rank_3"),
+            "XDG_CACHE_HOME": ({"HOME": str(home), "XDG_CACHE_HOME": str(cache)},
+                               f"{cache}/torch/comm_lib_trace_rank_3"),
+            "neither": ({}, "/tmp/.cache/torch/comm_lib_trace_rank_3"),
+            "TORCH_FR_DUMP_TEMP_FILE": ({"HOME": str(home), "TORCH_FR_DUMP_TEMP_FILE": f"{tmp}/fr_"}, f"{tmp}/fr_3")}
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """``(tmp, {case: (exit code, what it printed)})``: every case of the three tests below in one fresh interpreter
+    (one import of torch instead of nine), with every TORCH_FR_* and TORCH_NCCL_* variable, HOME and XDG_CACHE_HOME
+    removed, then the case's own."""
+    tmp = tmp_path_factory.mktemp("children")
+    cases = [(f"fr {name}", variables, _FR_CASE) for name, (variables, _) in _FR_SIZES.items()]
+    if sys.platform.startswith("linux"):                      # reads libstdc++'s std::string layout
+        cases += [(f"writer {name}", variables, _WRITER_CASE) for name, (variables, _) in _writer_cases(tmp).items()]
+    cases.append(("sigterm", {"TORCH_FR_BUFFER_SIZE": "0"}, _SIGTERM_CASE.format(out=str(tmp))))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HOME", "XDG_CACHE_HOME") and not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    env["PYTHONPATH"] = str(debugging.ROOT)
+    result = subprocess.run([sys.executable, "-c", _CHILDREN, json.dumps(cases)], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(_FR_SIZES))
+def test_the_flight_recorder_is_on_by_default_and_fr_buffer_size_reads_it_as_torch_does(children, name):
+    """torch 2.13's FlightRecorder.hpp: getCvarInt({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000).
+    A world of one on gloo: an all-reduce and a barrier are recorded unless the size is 0, and
+    planted_bugs.fr_buffer_size (which decides whether the planted job dumps) reads the same size. Lesson 17 said
+    the recorder was off unless a variable was set: the first case fails on that claim."""
+    variables, size = _FR_SIZES[name]
+    code, said = children[1][f"fr {name}"]
+    assert code == 0, said
+    read, names = json.loads(said.strip().splitlines()[-1])
+    assert read == size == fr_buffer_size(variables)
+    assert names == ([] if size == 0 else ["gloo:all_reduce", "gloo:barrier"]), names
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads libstdc++'s std::string layout")
-def test_the_default_flight_recorder_dump_path_is_the_users_cache_not_tmp(tmp_path):
+def test_the_default_flight_recorder_dump_path_is_the_users_cache_not_tmp(children):
     """Lesson 17's NCCL cell: where NCCL's automatic dump goes by default, asked of this torch build's own
     c10d::DebugInfoWriter::getWriter (FlightRecorder.cpp, compiled into libtorch_cpu in 2.13): $XDG_CACHE_HOME/torch,
     else $HOME/.cache/torch, else /tmp/.cache/torch, then comm_lib_trace_rank_<rank>; TORCH_FR_DUMP_TEMP_FILE
     replaces the prefix. Not /tmp/nccl_trace_rank_<rank>, the default of older releases."""
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("HOME", "XDG_CACHE_HOME") and not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
-    home, cache = tmp_path / "home", tmp_path / "cache"
-    cases = [({"HOME": str(home)}, f"{home}/.cache/torch/comm_lib_trace_rank_3"),
-             ({"HOME": str(home), "XDG_CACHE_HOME": str(cache)}, f"{cache}/torch/comm_lib_trace_rank_3"),
-             ({}, "/tmp/.cache/torch/comm_lib_trace_rank_3"),
-             ({"HOME": str(home), "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/fr_"}, f"{tmp_path}/fr_3")]
-    for variables, want in cases:
-        result = subprocess.run([sys.executable, "-c", _WRITER_SCRIPT], env={**base, **variables},
-                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert result.stdout.strip() == want, (variables, result.stdout)
+    tmp, results = children
+    for name, (variables, want) in _writer_cases(tmp).items():
+        code, said = results[f"writer {name}"]
+        assert code == 0 and said.strip() == want, (variables, code, said)
 
 
-def test_torch_2_13s_analyzer_needs_the_gloo_dump_fix(healthy, tmp_path):
-    """If this fails, torch names gloo's default group in pg_config now: drop fix_gloo_dumps."""
-    for rank, data in healthy.dumps().items():
-        (tmp_path / f"fr_{rank}").write_bytes(data)
-    raw = pickle.loads((tmp_path / "fr_0").read_bytes())
-    if "" not in raw["pg_config"]:                                # already fixed by analyze() in an earlier test
-        raw["pg_config"] = {"": {"name": "", "desc": "", "ranks": raw["pg_config"]["0"]["ranks"]}}
-        for p in tmp_path.glob("fr_[0-9]*"):
-            d = pickle.loads(p.read_bytes())
-            d["pg_config"] = raw["pg_config"]
-            p.write_bytes(pickle.dumps(d))
-    cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path), "-p", "fr_"]
-    before = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert before.returncode != 0 and "KeyError: ('0', 0)" in before.stderr, before.stderr[-2000:]
-    assert fix_gloo_dumps(tmp_path) == 2 and fix_gloo_dumps(tmp_path) == 0
-    after = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert after.returncode == 0 and "Traceback" not in after.stdout + after.stderr, after.stdout + after.stderr
+def test_a_rank_that_torchrun_stops_reports_first_then_leaves(children):
+    """planted_bugs.on_sigterm: torchrun's SIGTERM does not cut a rank short (it goes on to report the error it is
+    about to get, so that a lesson's output does not depend on which came first), and it still leaves by itself
+    within the grace time, with exit code 143, when it has nothing to report."""
+    code, said = children[1]["sigterm"]
+    assert code == 143 and said == "still here, stopping: True\n", (code, said)
 
 
-def test_analyze_says_what_torchs_analyzer_says_on_its_command_line(healthy, tmp_path):
-    """analyze() runs fr_trace's main in this process (no second Python importing torch): the same text as the
-    command line, computed once per set of dumps, and the garbage collector, which fr_trace's loader switches off,
-    switched on again. The dumps: the healthy run's, with rank 1's final barrier taken out."""
-    import gc
-
-    for rank, data in healthy.dumps().items():
-        dump = pickle.loads(data)
-        if rank == 1:
-            dump["entries"] = dump["entries"][:-1]
-        (tmp_path / f"fr_{rank}").write_bytes(pickle.dumps(dump))
-    fix_gloo_dumps(tmp_path)
-    mine = analyze(tmp_path)
-    sorted_walk = ("import os, sys; walk = os.walk; os.walk = lambda *a, **k: ((r, d, sorted(f)) for r, d, f in "
-                   "walk(*a, **k)); from torch.distributed.flight_recorder.fr_trace import main; main(sys.argv[1:])")
-    cli = subprocess.run([sys.executable, "-c", sorted_walk, str(tmp_path), "-p", "fr_", "--allow-incomplete-ranks"],
-                         capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 0, cli.stderr[-2000:]
-    assert mine == debugging._tidy(cli.stdout + cli.stderr, tmp_path) and "barrier" in mine, mine
-    assert analyze(tmp_path) is mine, "the same dumps are analyzed once"
-    assert gc.isenabled(), "fr_trace's loader switches the garbage collector off: analyze() must switch it on again"
-
+# -- torchrun's verdict, read from its summary -------------------------------------------------------------------
 
 def _summary(*failures):
     """torchrun's failure summary with the given (rank, exitcode) pairs, the first as its root cause."""
@@ -188,45 +272,6 @@ def test_a_dead_rank_is_named_whichever_failure_torchrun_saw_first(failures):
     hang = Job(bug="skip", returncode=1, lines=[], failures=[(1, 1), (0, 143)], out=None, seconds=0.0)
     assert hang.died() == [] and "the ranks' own errors" in hang.exit_summary()
 
-
-def test_a_rank_that_torchrun_stops_reports_first_then_leaves(tmp_path):
-    """planted_bugs.on_sigterm: torchrun's SIGTERM does not cut a rank short (it goes on to report the error it is
-    about to get, so that a lesson's output does not depend on which came first), and it still leaves by itself
-    within the grace time, with exit code 143, when it has nothing to report."""
-    script = (
-        "import os, signal, time\n"
-        "from course_utils import planted_bugs\n"
-        f"signal.signal(signal.SIGTERM, lambda *_: planted_bugs.on_sigterm({str(tmp_path)!r}, 0, 2.0))\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "print('still here, stopping:', planted_bugs._STOPPING.is_set(), flush=True)\n"
-        "time.sleep(60)\n"
-        "print('never printed', flush=True)\n")
-    env = {**os.environ, "PYTHONPATH": str(debugging.ROOT), "TORCH_FR_BUFFER_SIZE": "0"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50, env=env,
-                            cwd=tmp_path)
-    assert result.returncode == 143, (result.returncode, result.stdout, result.stderr[-2000:])
-    assert result.stdout == "still here, stopping: True\n", result.stdout
-
-
-def test_pyspy_shows_where_each_rank_hangs():
-    ok, why = debugging.pyspy_available()
-    if not ok:
-        if in_ci():
-            pytest.fail(f"py-spy is a test dependency and CI must run this test: {why}")
-        pytest.skip(why)
-    job = run_job("skip", spy=True, timeout=60, flight_recorder=False)
-    if job.spy_note or sorted(job.stacks or {}) != [0, 1]:
-        message = f"py-spy cannot read another process here: {job.spy_note or job.stacks}"
-        if in_ci():
-            pytest.fail(message + " (under CI this must work: run the job's ranks as the same user, or allow "
-                                  "ptrace, e.g. kernel.yama.ptrace_scope=0)")
-        pytest.skip(message)
-    assert job.stacks[0][-1].startswith("all_reduce (torch/distributed/distributed_c10d.py:")
-    assert job.stacks[1][-1].startswith("barrier (torch/distributed/distributed_c10d.py:")
-    assert all(any(f.startswith("train (planted_bugs.py:") for f in s) for s in job.stacks.values())
-    assert not any("<frozen" in f for s in job.stacks.values() for f in s)
-    assert not any(gloo_error(line) for line in job.lines), "stopped once seen, not left to its 60 s timeout"
-    assert job.out is None and job.dumps() == {}, "the job's temporary folder is removed when it ends"
 
 
 def test_bad_arguments_get_a_clear_error():

@@ -1,6 +1,7 @@
 """The self-checks of 17_debugging_and_profiling's exercises, fed the unmodified scaffold and typical wrong answers
 (each must fail with a reason a learner can act on) and the course's solution (which must pass). The Flight
-Recorder exercise is checked against a real run of the mystery job: its answer must be the bug planted in
+Recorder exercise is checked against a real run of the mystery job (planted_bugs' own 4 ranks on gloo; the lesson
+runs it under torchrun, nbval compares what its checker prints): its answer must be the bug planted in
 ``planted_bugs._mystery``, torch's analyzer must miss it (so that the exercise needs the learner's reading), and
 the checker's hints must say what the run's dumps say.
 
@@ -9,14 +10,17 @@ the checker's hints must say what the run's dumps say.
 import contextlib
 import inspect
 import io
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 
 from course_utils import planted_bugs
 from course_utils.checks import debugging as checks
-from course_utils.debugging import (analyze, analyzer_named, check_mystery_answer, dump_entries, odd_one_out,
-                                    read_dump, run_job)
+from course_utils.debugging import (ROOT, _dumps_of, _free_port, analyze, analyzer_named, check_mystery_answer,
+                                    dump_entries, odd_one_out, read_dump)
 from exercise_helpers import notebook_cell, solution_off, verdict
 
 NOTEBOOK = "17_debugging_and_profiling.ipynb"
@@ -33,9 +37,33 @@ def _run_cell(source, **names):
     return None
 
 
+# planted_bugs.main on each rank, as torchrun would start it, but each rank a fork of one Python that imported torch
+# once (torchrun and its 4 ranks import it 5 times: the lesson runs the job so)
+_FORKED_RANKS = r"""
+import os, sys
+from course_utils import planted_bugs
+bug, world_size, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+sys.stdout.flush()
+for rank in range(world_size):
+    if os.fork() == 0:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        os._exit(planted_bugs.main(["--bug", bug, "--out", out]))
+print("exit codes", sorted(os.waitstatus_to_exitcode(os.wait()[1]) for _ in range(world_size)), flush=True)
+os._exit(0)                                               # not the interpreter's teardown of torch: a CPU-second
+"""
+
+
 @pytest.fixture(scope="module")
-def mystery():
-    return run_job("mystery", nproc=4)
+def mystery(tmp_path_factory):
+    """A folder of the mystery job's Flight Recorder dumps, ``fr_<rank>`` (each rank times out after 3 s)."""
+    out = tmp_path_factory.mktemp("mystery")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISTRIBUTED_DEBUG="OFF",
+               GLOO_SOCKET_IFNAME="lo" if sys.platform.startswith("linux") else "lo0")        # as run_job's
+    job = subprocess.run([sys.executable, "-c", _FORKED_RANKS, "mystery", "4", str(_free_port()), str(out)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "exit codes [1, 1, 1, 1]" in job.stdout, job.stdout[-3000:] + job.stderr[-3000:]
+    return out
 
 
 def _planted_lines():
@@ -48,10 +76,10 @@ def _planted_lines():
 # -- exercise 1: who hung the mystery job? ----------------------------------------------------------------------
 
 def test_the_answer_is_the_planted_bug_and_the_analyzer_names_neither_its_rank_nor_its_number(mystery):
-    assert sorted(mystery.dumps()) == [0, 1, 2, 3], mystery.output[-3000:]
+    assert sorted(_dumps_of(mystery)) == [0, 1, 2, 3]
     culprit, seq = odd_one_out(mystery)
     extra, loss = _planted_lines()
-    calls = {r: {e["seq"]: (e["op"], e["line"]) for e in dump_entries(d)} for r, d in mystery.dumps().items()}
+    calls = {r: {e["seq"]: (e["op"], e["line"]) for e in dump_entries(d)} for r, d in _dumps_of(mystery).items()}
     assert culprit == 0 and calls[0][seq] == ("all_reduce", extra), (culprit, seq, calls[0])
     assert all(calls[r][seq] == ("all_reduce", loss) for r in (1, 2, 3)), calls
     assert all(calls[r][s] == calls[0][s] for r in (1, 2, 3) for s in range(1, seq)), "the ranks agree before"
@@ -87,7 +115,7 @@ def test_the_hints_follow_the_dumps_not_a_fixed_story(mystery, tmp_path):
     """The same dumps with ranks 0 and 2 swapped: the culprit is now rank 2, which the analyzer names itself
     (it differs from the first dump it reads), so the hint for a wrong rank says nothing of fr_trace."""
     swap = {0: 2, 2: 0, 1: 1, 3: 3}
-    for rank, data in mystery.dumps().items():
+    for rank, data in _dumps_of(mystery).items():
         dump = read_dump(data)
         dump["rank"] = swap[rank]
         (tmp_path / f"fr_{swap[rank]}").write_bytes(pickle.dumps(dump))
