@@ -10,17 +10,17 @@ and the weights a rank holds must never add up to the whole base; the peaks the 
 are the ones measured here.
 
 Llama 2 7B's 32 decoder layers are identical, so each number measured here (each phase's peak, the most weights
-held at once, the base's bytes) grows by the same bytes per layer: the model is measured at 3, 4 and 5 layers of
-Llama 2 7B's width and extended from 3 and 4 to 32 (``course_utils.will_it_fit.extend_by_blocks``, as the tool
-extends its replicas). The test asserts that 3 and 4 layers extended to 5 give the measurement at 5 to the byte, and
+held at once, the base's bytes) grows by the same bytes per layer: the model is measured at 2, 3 and 4 layers of
+Llama 2 7B's width and extended from 2 and 3 to 32 (``course_utils.will_it_fit.extend_by_blocks``, as the tool
+extends its replicas). The test asserts that 2 and 3 layers extended to 4 give the measurement at 4 to the byte, and
 that the base extended to 32 layers has Llama 2 7B's published 6,738,415,616 parameters in bf16. Measured whole at
 32 layers, the build, forward and backward peaks and the most weights held were the extension's to the byte (the
-docstring's numbers are those). AdamW's first step is not: the first measurement in a process counts 0.5 MiB more
-in it (DTensor's sharding propagation of ops it has not seen yet, ``true_size.FOREACH_NOTE``; the size of one
-layer's A matrices), whatever its depth, 32 layers included; the later ones lie on the line. So 2 layers are
-measured first, to warm those caches, and the step is checked
-against the card with one layer's adapters (1 MiB) on top of its extension: bounded, not exact. About 15 s on one
-core instead of 100 s for the whole model.
+docstring's numbers are those; 3 and 4 layers, measured earlier, give the same line: all of 2 to 5 lie on it).
+AdamW's first step is not: the first measurement in a process counts 0.5 MiB more in it (DTensor's sharding
+propagation of ops it has not seen yet, ``true_size.FOREACH_NOTE``; the size of one layer's A matrices), whatever
+its depth, 32 layers included; the later ones lie on the line. So 1 layer is measured first, to warm those caches,
+and the step is checked against the card with one layer's adapters (1 MiB) on top of its extension: bounded, not
+exact. About 15 s on one core instead of 100 s for the whole model.
 """
 import functools
 import importlib.util
@@ -38,8 +38,8 @@ SCRIPT = ROOT / "scripts" / "finetune_lora.py"
 CARD = 24 * 2 ** 30                    # a "24 GB" card: 24 GiB, as nvidia-smi reports it
 USABLE = 0.85                          # what no tensor meter sees: CUDA context, NCCL, the allocator's cache
 WEIGHTS = ("Sharded Param", "Unsharded Param", "Parameter", "All Gather")   # a tracker's kinds that hold weights
-WARM_UP = 2                            # layers of the first measurement: it warms DTensor's caches (docstring)
-DEPTHS = (3, 4, 5)                     # layers measured next: extended from the first two, checked at the third
+WARM_UP = 1                            # layers of the first measurement: it warms DTensor's caches (docstring)
+DEPTHS = (2, 3, 4)                     # layers measured next: extended from the first two, checked at the third
 
 
 def _script():
@@ -164,8 +164,8 @@ def measure(finetune_lora, argv, world_size, n_layer=None):
 
 
 def measure_extended(finetune_lora, argv, world_size):
-    """``measure`` at all 32 layers, extended from 3 and 4 layers after checking the extension to 5 (module docstring).
-    The first measurement, at ``WARM_UP`` layers, only warms DTensor's caches."""
+    """``measure`` at all 32 layers, extended from ``DEPTHS[:2]`` layers after checking the extension to ``DEPTHS[2]``
+    (module docstring). The first measurement, at ``WARM_UP`` layers, only warms DTensor's caches."""
     at = {L: measure(finetune_lora, argv, world_size, n_layer=L) for L in (WARM_UP, *DEPTHS)}
     first, second, check = (at[L] for L in DEPTHS)
     numbers = ("peaks", "most_weights", "base_bytes")

@@ -4,6 +4,7 @@ the frozen-parameter peak meter and the fake-tensor true-size measurement agree 
     .venv/bin/python -m pytest tests/test_lora.py -p no:randomly
 """
 import copy
+import functools
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from course_utils.lora import (LoRALinear, add_lora, causal_lm_loss, copy_into_peft, finetune_batch,
                                lora_parameter_count, load_model, peak_memory, peft_lora_config, save_adapter,
                                tiny_tokenizer, true_size_peak)
+from course_utils.true_size import LlamaShape
 
 TARGETS, R, ALPHA = ("q_proj", "v_proj"), 4, 8
 
@@ -117,17 +119,27 @@ def test_peak_memory_accepts_frozen_parameters(batch):
     assert peak["total"] > peak["parameters"] + peak["optimizer_state"]
 
 
+# A small grouped-query Llama, as a LlamaShape (as MISTRAL_7B is given) and as LlamaConfig's arguments (as LLAMA_2_7B)
+SHAPE = LlamaShape("small", vocab_size=1000, d_model=256, n_layer=2, d_ff=512, n_head=4, n_kv_head=2)
 SMALL = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+@functools.cache
+def lora_ddp_true_size():
+    """true_size_peak of LoRA r = 16 on q_proj, v_proj over a bf16 base, DDP on one rank, of SHAPE: one measurement,
+    read by the two tests below. Read-only."""
+    return true_size_peak(SHAPE, lora=True, strategy="ddp", world_size=1, seq_len=64)
 
 
 def test_true_size_with_fake_tensors_matches_the_formulas():
     full = true_size_peak(SMALL, lora=False, strategy="fsdp", world_size=2, seq_len=64)
     n = full["params"]
+    assert n == SHAPE.n_params, (n, SHAPE.n_params)                          # SMALL and SHAPE: one model
     state = full["parameters"] + full["gradients"] + full["optimizer_state"]
     # FSDP2 at W = 2 with foreach=False AdamW: 4 + 4 + 8 bytes per parameter, halved, at the optimizer step's peak
     assert abs(state - 16 * n / 2) < 0.02 * 16 * n / 2, (state, 16 * n / 2)
-    lora = true_size_peak(SMALL, lora=True, strategy="ddp", world_size=1, seq_len=64, r=8)
+    lora = lora_ddp_true_size()
     base = lora["params"] - lora["trainable"]
     assert lora["parameters"] == 2 * base + 4 * lora["trainable"], lora     # a bf16 base, fp32 adapters
     assert lora["total"] < full["total"] * 2
@@ -137,9 +149,7 @@ def test_true_size_peak_agrees_with_lesson_14s_measure_step():
     """15's cell "At the true size" sizes the 7B rows with measure_step; true_size_peak (exercise 3) measures the same
     step on transformers' LlamaForCausalLM. On a small grouped-query shape, given as a LlamaShape as MISTRAL_7B is,
     the two peaks agree within 3 % (DDP on one rank, FSDP2 at W = 2)."""
-    from course_utils.true_size import LlamaShape, measure_step, step_peak
-
-    shape = LlamaShape("small", vocab_size=1000, d_model=256, n_layer=2, d_ff=512, n_head=4, n_kv_head=2)
+    from course_utils.true_size import measure_step, step_peak
 
     def lora_over_bf16_base(model):
         model.to(torch.bfloat16)
@@ -149,12 +159,12 @@ def test_true_size_peak_agrees_with_lesson_14s_measure_step():
                 p.data = p.data.float()
 
     lora = dict(modify=lora_over_bf16_base, seq_len=64, checkpoint=True)
-    ddp = measure_step(shape, strategy="replica", **lora)
-    theirs = true_size_peak(shape, lora=True, strategy="ddp", world_size=1, seq_len=64)
+    ddp = measure_step(SHAPE, strategy="replica", **lora)
+    theirs = lora_ddp_true_size()                        # true_size_peak(SHAPE, lora=True, strategy="ddp", ...)
     ours = step_peak(ddp)[0] + 4 * ddp["n_trainable"]                   # + DDP's bucket, as the lesson adds it
     assert abs(theirs["total"] - ours) < 0.03 * ours, ("DDP", theirs["total"], ours)
-    fsdp = measure_step(shape, strategy="fsdp2", world_size=2, mixed_precision=True, **lora)
-    theirs = true_size_peak(shape, lora=True, strategy="fsdp", world_size=2, seq_len=64)
+    fsdp = measure_step(SHAPE, strategy="fsdp2", world_size=2, mixed_precision=True, **lora)
+    theirs = true_size_peak(SHAPE, lora=True, strategy="fsdp", world_size=2, seq_len=64)
     assert abs(theirs["total"] - step_peak(fsdp)[0]) < 0.03 * step_peak(fsdp)[0], ("FSDP2", theirs, step_peak(fsdp))
 
 

@@ -64,9 +64,10 @@ SECOND_DEATH = textwrap.dedent("""
         print("after one death", c.run(WHERE))
     print("a new server", server._forkserver_pid not in (None, first), flush=True)
     dies.append(1)
-    for _ in range(2):
-        with Cluster(world_size=2, backend="gloo") as c:
-            print("after two deaths", c.run(WHERE))
+    with Cluster(world_size=2, backend="gloo") as c:
+        print("after two deaths", c.run(WHERE))
+    with Cluster(world_size=1, backend="gloo") as c:  # the next start: fresh again, and no second note
+        print("and after", c.run(WHERE))
 """)
 
 
@@ -78,7 +79,7 @@ def test_a_second_server_death_falls_back_to_fresh_interpreters_with_one_note():
     assert proc.returncode == 0, proc.stderr[-3000:]
     forked, fresh = "['course_utils.engine._worker', 'course_utils.engine._worker']", "['__main__', '__main__']"
     assert proc.stdout.splitlines() == [f"first {forked}", f"after one death {forked}", "a new server True",
-                                        f"after two deaths {fresh}", f"after two deaths {fresh}"], proc.stdout
+                                        f"after two deaths {fresh}", "and after ['__main__']"], proc.stdout
     assert proc.stderr.count("note: the ranks start as fresh interpreters") == 1, proc.stderr[-3000:]
     assert "died while forking a rank" in proc.stderr, "the note says why"
 
@@ -197,34 +198,42 @@ def test_the_kaggle_and_colab_first_cell_installs_a_course_that_starts(tmp_path)
     block = section[section.index("```python"):section.index("```", section.index("```python") + 3)]
     lines = [line.split("#")[0].strip() for line in block.splitlines() if line.strip().startswith("!pip")]
     assert len(lines) == 2 and "--no-deps" in lines[0], lines
-    # git, pip, the build and the course write their settings and caches in HOME and the XDG folders (a rustup
-    # proxy on PATH wrote ~/.rustup/settings.toml during the build): all of them get a temporary one here
+    # Every process below (git, venv, pip, the build, the course and its IPython shell) gets a temporary HOME, XDG,
+    # cache and IPython/Jupyter/matplotlib folders, and pip its own TMPDIR: nothing is written outside tmp_path (a
+    # rustup proxy on PATH once wrote ~/.rustup/settings.toml during the build, hence RUSTUP_HOME and CARGO_HOME)
     home = tmp_path / "home"
     private = {"HOME": home, "XDG_CACHE_HOME": home / ".cache", "XDG_CONFIG_HOME": home / ".config",
                "XDG_DATA_HOME": home / ".local" / "share", "XDG_STATE_HOME": home / ".local" / "state",
-               "PIP_CACHE_DIR": home / ".cache" / "pip", "RUSTUP_HOME": home / ".rustup", "CARGO_HOME": home / ".cargo"}
+               "PIP_CACHE_DIR": home / ".cache" / "pip", "RUSTUP_HOME": home / ".rustup", "CARGO_HOME": home / ".cargo",
+               "IPYTHONDIR": home / ".ipython", "MPLCONFIGDIR": home / ".config" / "matplotlib",
+               "JUPYTER_CONFIG_DIR": home / ".jupyter", "JUPYTER_DATA_DIR": home / ".local" / "share" / "jupyter",
+               "JUPYTER_RUNTIME_DIR": home / ".local" / "share" / "jupyter" / "runtime"}
     for folder in private.values():
         folder.mkdir(parents=True, exist_ok=True)
     private = {k: str(v) for k, v in private.items()}
+    private_env = dict(os.environ, **private, GIT_CONFIG_NOSYSTEM="1")
     clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120,
-                   env=dict(os.environ, **private, GIT_CONFIG_NOSYSTEM="1"))
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120, env=private_env)
     venv = tmp_path / "venv"
     # no pip or setuptools of its own: the .pth below brings this environment's (the build runs without
     # isolation, which would download setuptools)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300,
+                   env=private_env)
     python = venv / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+                          capture_output=True, text=True, check=True, env=private_env).stdout.strip()
     ours = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "torch"))]
     (Path(site) / "platform_torch.pth").write_text(ours[0] + "\n")  # the platform's torch, numpy, Jupyter
-    env = dict(CHILD_ENV, **private, PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env = dict(CHILD_ENV, **private, GIT_CONFIG_NOSYSTEM="1", PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0",
+               PIP_DISABLE_PIP_VERSION_CHECK="1")
     env.pop("PYTHONPATH")
+    pip_tmp = tmp_path / "tmp"  # pip's build folders (not the course's: its fork server's socket path stays short)
+    pip_tmp.mkdir()
     for line in lines:
         args = shlex.split(line[1:].replace("git+<this repository's URL>", f"git+file://{clone}"))
         assert args[:2] == ["pip", "install"], line
-        run = subprocess.run([str(python), "-m", *args], capture_output=True, text=True, env=env, timeout=600,
-                             cwd=tmp_path)
+        run = subprocess.run([str(python), "-m", *args], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                             env=dict(env, TMPDIR=str(pip_tmp)))
         assert run.returncode == 0, f"{line}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
     run = subprocess.run([str(python), "-c", START_THE_COURSE], capture_output=True, text=True, env=env,
                          timeout=600, cwd=tmp_path)

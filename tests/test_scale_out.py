@@ -19,6 +19,7 @@ import importlib.util
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  before any group of this process: see the script's setup()
 
@@ -111,9 +112,15 @@ def test_one_process_without_torchrun(one_node, capsys, monkeypatch):
     spec.loader.exec_module(script)
     monkeypatch.delenv("RANK", raising=False)
     capsys.readouterr()
+    # one thread, as torchrun_env gives every rank (OMP_NUM_THREADS=1): beside the other pytest-xdist worker on 2
+    # cores, torch's 2 intra-op threads wait on each other (this run: 0.3 s on 1 thread; on 2, 1.1 s beside one
+    # busy process and 12-30 s on a loaded machine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         script.main(TRAIN_ARGS)
     finally:
+        torch.set_num_threads(threads)
         if dist.is_initialized():  # main() destroys its group when it ends; not when it fails
             dist.destroy_process_group()
     single = Run("python scripts/train_micro_ddp.py", capsys.readouterr().out)
