@@ -44,7 +44,7 @@ def _notebook_line(desc, total):
         return None
     if get_ipython() is None or not hasattr(get_ipython(), "kernel"):
         return None
-    final = {"text/plain": f"{desc}: {total} steps"}
+    final = {"text/plain": f"{desc}: {total} step{'' if total == 1 else 's'}"}
     handle = display(final, raw=True, display_id=True)
 
     def show(i, total):
