@@ -383,6 +383,11 @@ class Plan:
     def card_bytes(self):
         return self.card_gib * GiB
 
+    def pick(self, card_gib):
+        """The row these measurements choose on as many cards of ``card_gib`` GiB each (``chosen`` there), or None:
+        the peaks do not depend on the card, so one plan answers for every card size."""
+        return _pick(self.rows, card_gib * GiB)
+
     def command(self, row=None):
         """The command line that runs ``row`` (default: the chosen plan), and a note on what it runs."""
         row = row or self.chosen or self.smallest
@@ -488,9 +493,11 @@ def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=
     ``"qlora"``; ``precision``: ``"mixed"`` (bf16 compute: the ZeRO paper's 2 + 2 + 12 bytes for full fine-tuning, a
     bf16 base for LoRA) or ``"fp32"``; ``checkpoints``: which activation-checkpointing settings to try.
     ``workers``: processes that measure at once (default: 2 when the machine has
-    them and the model is deep; the rows share every measurement they can). When nothing fits, FSDP2 (and the
-    counted ZeRO rows) are tried on more cards, to find the fewest that fit."""
+    them and the model is deep; the rows share every measurement they can). ``say(done, total, running)``: a
+    progress line (default: on stderr; None: only the progress bar, as in a lesson). When nothing fits, FSDP2 (and
+    the counted ZeRO rows) are tried on more cards, to find the fewest that fit."""
     t0 = time.perf_counter()
+    say = say or (lambda done, total, running: None)
     if method not in ("full", "lora", "qlora"):
         raise WillItFitError(f"--method {method!r}: use full, lora or qlora")
     if precision not in ("mixed", "fp32"):

@@ -357,15 +357,37 @@ class ForkedProcess:
                     self._p.start()
         self.pid = self._p.pid
         self.returncode = None
-        self._started = (_proc_stat(self.pid) or [None] * 20)[19]  # field 22: tells a reused pid apart
+        # /proc/PID/stat held open: a pread answers "alive?" in microseconds (an open/read/close is 8x that, and
+        # the check runs per rank before every call), and the fd stays bound to this process, never to a later
+        # one that reuses the pid (once the rank is reaped, a read fails with ESRCH).
+        try:
+            self._stat_fd = os.open(f"/proc/{self.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._stat_fd = None  # no /proc (macOS): multiprocessing's exitcode alone
+
+    def _stat(self):
+        if self._stat_fd is None:
+            return None
+        try:
+            return os.pread(self._stat_fd, 4096, 0).rsplit(b")", 1)[1].decode().split()
+        except (OSError, IndexError):
+            return None
+
+    def _close_stat(self):
+        fd, self._stat_fd = self._stat_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self):
+        self._close_stat()
 
     def poll(self):
         """The exit code, or None while the rank lives. Called before every call (Cluster.alive): where /proc
-        exists one read of /proc/PID/stat answers for a live rank (multiprocessing's own check builds a selector
-        each time, and the warm round trip is a millisecond)."""
+        exists one pread of the held /proc/PID/stat answers for a live rank (multiprocessing's own check builds a
+        selector each time, and the warm round trip is a millisecond)."""
         if self.returncode is None:
-            fields = _proc_stat(self.pid)
-            if fields and fields[0] not in ("Z", "X") and fields[19] == self._started:
+            fields = self._stat()
+            if fields and fields[0] not in ("Z", "X"):
                 return None  # running or asleep: alive
             code = self._p.exitcode
             if code is not None:
@@ -373,6 +395,8 @@ class ForkedProcess:
                 self._p.close()  # the sentinel's fd
             elif fields and fields[0] in ("Z", "X"):  # dead, not reaped yet: the kernel keeps the code till then
                 self.returncode = zombie_exit_code(self.pid)
+            if self.returncode is not None:
+                self._close_stat()
         return self.returncode
 
     def wait(self, timeout=None):
