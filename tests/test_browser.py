@@ -8,8 +8,10 @@ skip would hide that the browser test never ran, so it fails. One JupyterLab ser
 learner's copy for the whole module: the temporary root holds the README and my-notebooks/, made by
 scripts/learner_copy.py exactly as `make lab` makes it (outputs cleared), so the test opens each lesson as a
 learner does, sees no stored output, and running cells never modifies the repository.
-Screenshots and a timing log go to a temporary directory (printed in the log of the test's setup), or to
-$BROWSER_ARTIFACTS when set (test-artifacts/ is git-ignored for that: BROWSER_ARTIFACTS=test-artifacts/browser).
+A timing log goes to a temporary directory (printed in the log of the test's setup), or to $BROWSER_ARTIFACTS when
+set, and then screenshots too (of the page after Run All and of each cell a test checks; test-artifacts/ is
+git-ignored for that: BROWSER_ARTIFACTS=test-artifacts/browser). Without it no screenshot is taken: each costs
+Chromium a render and a PNG encoding, for a file that nobody reads.
 
 The course's static site (`make site`) is checked in Chromium by tests/test_site.py, with the same Chromium and
 arguments (browser_helpers): there one build serves its page checks and its browser checks.
@@ -35,6 +37,7 @@ COPY = "my-notebooks"  # the learner's copy, as `make lab` names it
 # The cost-model controls of 10_tradeoffs, by their descriptions; moving any of them redraws the plot.
 CONTROLS = ["world size", "model size", "bandwidth", "latency", "micro-batch", "accum steps", "compression"]
 RANK_LINE = re.compile(r"^\[rank (\d+)\] ", re.M)
+SCREENSHOTS = bool(os.environ.get("BROWSER_ARTIFACTS"))  # only where someone keeps them
 
 
 # How a learner's machine without Chromium (or without apt) runs everything else, on purpose; the Makefile and
@@ -68,7 +71,7 @@ def lab(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """Where screenshots go: $BROWSER_ARTIFACTS, or a temporary directory (never the repository by default)."""
+    """Where the timing log (and with $BROWSER_ARTIFACTS, screenshots) go: that folder, or a temporary one."""
     where = os.environ.get("BROWSER_ARTIFACTS")
     path = Path(where).resolve() if where else tmp_path_factory.mktemp("browser-artifacts")
     path.mkdir(parents=True, exist_ok=True)
@@ -95,6 +98,8 @@ class Lesson:
         return notebook_panel(self.page).locator(".jp-Notebook .jp-Cell").nth(i)
 
     def screenshot(self, i, label):
+        if not SCREENSHOTS:
+            return None
         path = self.artifacts / f"{self.stem}_{label}.png"
         self.cell(i).screenshot(path=str(path))
         return path
@@ -120,7 +125,8 @@ def lessons(lab, browser, artifacts):
             run_all_cells(page, lab, where)
             seconds = time.monotonic() - t0
             cells = read_cells(page)
-            page.screenshot(path=str(artifacts / f"{name.removesuffix('.ipynb')}_after_run_all.png"))
+            if SCREENSHOTS:
+                page.screenshot(path=str(artifacts / f"{name.removesuffix('.ipynb')}_after_run_all.png"))
             saved = save_notebook(page, lab, where)
             (artifacts / f"{name.removesuffix('.ipynb')}_log.txt").write_text(
                 f"open + run all cells: {seconds:.1f} s\n" + "\n".join(console) + "\n")
