@@ -280,8 +280,9 @@ def run_all_cells(page, lab, name, timeout=300.0):
         return ("[*]:" not in _prompts(page) and kernel_status(page) == "idle"
                 and kernel_state(lab, name) == "idle")
 
+    # a lesson runs for tens of seconds: a poll a second (each reads every prompt in the page and asks the server)
     wait_for(finished, timeout, lambda: f"the cells of {name} to finish (kernel: page {kernel_status(page)!r}, "
-                                        f"server {kernel_state(lab, name)!r}; prompts {_prompts(page)})")
+                                        f"server {kernel_state(lab, name)!r}; prompts {_prompts(page)})", every=1.0)
 
 
 def save_notebook(page, lab, name, timeout=30.0):
@@ -294,12 +295,12 @@ def save_notebook(page, lab, name, timeout=30.0):
     return json.loads(path.read_text())
 
 
-def wait_for(predicate, timeout, what):
-    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds, saying ``what`` was awaited (a string,
-    or a function returning one, so that the message shows the state at the deadline)."""
+def wait_for(predicate, timeout, what, every=0.25):
+    """Poll ``predicate`` every ``every`` seconds until it is true; fail after ``timeout`` seconds, saying ``what``
+    was awaited (a string, or a function returning one, so that the message shows the state at the deadline)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.25)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
