@@ -21,6 +21,8 @@ and what passed:
 - lesson 17's tools on NCCL: a Flight Recorder dump of three NCCL all-reduces and a profiler trace with
   ``ProfilerActivity.CUDA`` that shows NCCL's kernels;
 - lesson 16's ``scripts/finetune_lora.py`` under torchrun on NCCL (DDP and FSDP2 over LoRA, the tiny Llama);
+- ``will_it_fit``'s meter (fake tensors, lesson 14) against ``torch.cuda.max_memory_allocated()`` of the same
+  AdamW step of a 160M-parameter Llama shape on cuda:0, per phase: the gap that the 15% margin stands for;
 - every lesson's ``%%ddp`` cells that can run on NCCL (no ``--backend gloo`` in force), in order, on NCCL at
   world size 1. A lesson stops at its first error: an error about devices (a CPU tensor on NCCL, tensors on
   two devices) fails the check; any other error (a cell written for several ranks, a name from a notebook
@@ -65,6 +67,7 @@ PLAN = [
     ("debugging", "a Flight Recorder dump and a profiler trace of an NCCL all-reduce (lesson 17)"),
     ("debugging", "the NCCL dump on <stem><rank>.pipe lands in $HOME/.cache/torch (lesson 17)"),
     ("fine-tuning", "finetune_lora.py on NCCL: DDP, FSDP2 over LoRA (lesson 16)"),
+    ("will it fit", "fake-tensor prediction against max_memory_allocated, one step per phase"),
     ("lessons", "%%ddp cells that can run on NCCL: NCCL, world size min(-n, GPUs)"),
     ("lessons", "the same cells at their -n, gloo, every rank's device = cuda:0"),
     ("engine", "the notebook process never initialised CUDA"),
@@ -540,6 +543,84 @@ def check_finetune_script(ctx):
                     f"rank 0: {rates[0][0]} tokens/s, peak {rates[0][1]} MiB")
 
 
+# A Llama-shaped model small enough for any GPU (160M parameters: 2.6 GB of fp32 AdamW state), one sequence of 1024
+MEMORY_SHAPE = dict(name="gpu check", vocab_size=32000, d_model=1024, n_layer=8, d_ff=2816, n_head=16, n_kv_head=8)
+MEMORY_STEP = dict(strategy="replica", seq_len=1024, micro_batch_size=1)
+PHASES = ("forward", "backward", "step")
+
+
+def predicted_peaks(shape=None, **kw):
+    """Per phase, the peak bytes ``course_utils.true_size.measure_step`` (will_it_fit's meter) predicts for one
+    AdamW step of ``shape`` with fake tensors on the CPU: the number a reader plans with."""
+    from course_utils.true_size import LlamaShape, measure_step
+
+    r = measure_step(shape or LlamaShape(**MEMORY_SHAPE), **{**MEMORY_STEP, **kw})
+    return {phase: r[phase]["total"] for phase in PHASES}
+
+
+def cuda_peaks():
+    """The same step on cuda:0, in a process of its own: per phase, torch.cuda.max_memory_allocated() from the
+    memory in use at the phase's start (reset_peak_memory_stats), after a whole first step has made AdamW's
+    state, as measure_step's warm-up does. Run as ``python scripts/gpu_check.py --cuda-peaks``."""
+    import torch
+    import torch.nn.functional as F
+
+    from course_utils.true_size import LlamaShape, LlamaShaped
+
+    shape = LlamaShape(**MEMORY_SHAPE)
+    torch.manual_seed(0)
+    model = LlamaShaped(shape).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    idx = torch.randint(shape.vocab_size, (MEMORY_STEP["micro_batch_size"], MEMORY_STEP["seq_len"]), device="cuda")
+
+    def forward():
+        return F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten())
+
+    forward().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    peaks = {}
+    for phase in PHASES:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if phase == "forward":
+            loss = forward()
+        elif phase == "backward":
+            loss.backward()
+            del loss
+        else:
+            optimizer.step()
+        torch.cuda.synchronize()
+        peaks[phase] = torch.cuda.max_memory_allocated()
+    return peaks
+
+
+def memory_gap(predicted, measured, usable=0.85):
+    """(status, detail): passed when every phase's measured peak is within the prediction over ``usable`` (the
+    margin will_it_fit keeps for what no tensor meter sees); the detail gives each phase's gap."""
+    gaps = {p: measured[p] - predicted[p] for p in PHASES}
+    worst = max(PHASES, key=lambda p: measured[p] / predicted[p])
+    ok = all(measured[p] <= predicted[p] / usable for p in PHASES)
+    detail = "; ".join(f"{p} predicted {predicted[p] / 2**30:.3f} GiB, measured {measured[p] / 2**30:.3f} "
+                       f"({gaps[p] / 2**20:+.0f} MiB, {measured[p] / predicted[p] - 1:+.1%})" for p in PHASES)
+    verdict = (f"within the {1 - usable:.0%} margin" if ok else f"{worst} over the {1 - usable:.0%} margin")
+    return (PASSED if ok else FAILED), f"{verdict}: {detail}"
+
+
+def check_will_it_fit(ctx):
+    """will_it_fit's prediction (fake tensors, this process, no CUDA) beside the same step on cuda:0 (another
+    process: this one must never initialise CUDA): the gap is the number the 15% margin stands for."""
+    import json
+    import subprocess
+
+    predicted = predicted_peaks()
+    result = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cuda-peaks"], capture_output=True,
+                            text=True, timeout=200)
+    assert result.returncode == 0, f"exit code {result.returncode}: {(result.stdout + result.stderr).strip()[-400:]}"
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return memory_gap(predicted, measured)
+
+
 # ---- the lessons --------------------------------------------------------------------------------------------
 
 def nccl_cells(nb):
@@ -664,6 +745,7 @@ def check_notebook_process_cuda(ctx):
 CHECKS = [check_environment, check_nccl_world_1, check_error_on_nccl, check_stuck_on_gpu, check_two_ranks,
           check_gloo_cuda, check_micro_ddp_gloo_cuda, check_micro_ddp_nccl, check_micro_fsdp, check_bf16_nccl,
           check_bf16_gloo, check_flight_recorder_and_trace, check_nccl_dump_on_pipe, check_finetune_script,
+          check_will_it_fit,
           check_lessons_nccl, check_lessons_gloo_cuda, check_notebook_process_cuda]
 
 
@@ -748,7 +830,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="The course on this machine's GPUs (make test-gpu).")
     parser.add_argument("--quick", action="store_true", help="skip running the lessons' cells")
     parser.add_argument("--lessons", nargs="*", default=None, help="two-digit lesson numbers to run (default: all)")
+    parser.add_argument("--cuda-peaks", action="store_true", help=argparse.SUPPRESS)  # check_will_it_fit's child
     args = parser.parse_args(argv)
+    if args.cuda_peaks:
+        import json
+
+        print(json.dumps(cuda_peaks()))
+        return 0
     from course_utils.engine.launcher import _gpu_count  # NVML: this process never initialises CUDA
 
     gpus = _gpu_count()

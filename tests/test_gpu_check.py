@@ -6,7 +6,8 @@ The GPU checks themselves need a GPU. Here: the script says clearly that there i
 every row skipped; a failing check makes a FAILED row and exit code 1; the lessons' cells it would run are
 the ones ``%%ddp`` would put on NCCL; only a device error fails a lesson; and the cells of its collective,
 MicroDDP and bf16-hook checks compute what they assert, run on CPU tensors over gloo (their device line
-swapped for the CPU), so a wrong expected value shows up here and not first on someone's GPU.
+swapped for the CPU), so a wrong expected value shows up here and not first on someone's GPU; and the will_it_fit
+check's prediction runs here and its verdict is the 15% margin.
 """
 import importlib.util
 import os
@@ -162,3 +163,17 @@ def test_make_test_gpu_runs_the_script():
                           "GPU_CHECK_ARGS=--quick"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.split() == [".venv/bin/python", "scripts/gpu_check.py", "--quick"], run.stdout
+
+
+def test_the_will_it_fit_check_passes_within_the_margin_and_names_the_phase_over_it(gpu_check):
+    """Its prediction side runs here (fake tensors need no GPU); the verdict against a measurement is the 15% margin
+    will_it_fit keeps, per phase."""
+    from course_utils.true_size import LlamaShape
+
+    tiny = LlamaShape("tiny", vocab_size=256, d_model=64, n_layer=2, d_ff=176, n_head=4, n_kv_head=2)
+    predicted = gpu_check.predicted_peaks(tiny, seq_len=32)
+    assert list(predicted) == list(gpu_check.PHASES) and all(b > 0 for b in predicted.values()), predicted
+    status, detail = gpu_check.memory_gap(predicted, {p: b * 1.1 for p, b in predicted.items()})
+    assert status == gpu_check.PASSED and detail.startswith("within the 15% margin") and "+10.0%" in detail, detail
+    status, detail = gpu_check.memory_gap(predicted, {**predicted, "backward": predicted["backward"] * 1.2})
+    assert status == gpu_check.FAILED and detail.startswith("backward over the 15% margin"), detail
