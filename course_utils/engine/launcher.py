@@ -716,11 +716,22 @@ class Cluster:
         return dead_error(codes, "It died between calls: this call did not run. The ranks were replaced with "
                                  "fresh ones; names you defined on them are gone.")
 
+    def _printing(self):
+        """The live ranks with something in a stream pipe now: one poll over every pipe, rather than reading
+        each empty one to its EAGAIN (before and after every call, per rank)."""
+        sel = self._selector()
+        if sel is None:
+            return set()
+        poller, owner = sel
+        return {owner[fd].rank for fd, _ in poller.poll(0) if fd != owner[fd].res_r}
+
     def _late_output(self):
         """What a rank printed after its last call had finished (a background thread, a child process):
         shown now, under a note, rather than as the output of the call that starts."""
+        printing = self._printing()
         for rk in self._ranks:
-            rk.drain_streams(0.2)
+            if rk.rank in printing:
+                rk.drain_streams(0.2)
             rk.flush_partial()
             lines = rk.take_lines()
             for name in ("stdout", "stderr"):
@@ -799,8 +810,10 @@ class Cluster:
     def _show(self, only_rank):
         """Print every rank's output, grouped in rank order, so the stored output is deterministic."""
         self._close_live()
+        printing = self._printing()   # a dead rank's pipes were read when it was found dead
         for rk in self._ranks:
-            rk.drain_streams()
+            if rk.rank in printing:
+                rk.drain_streams()
             rk.flush_partial()
         held, self._held = self._held, []
         merged = {}
