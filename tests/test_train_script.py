@@ -1,7 +1,7 @@
 """scripts/train_micro_ddp.py outside torchrun's comfort zone: srun without torchrun (issue 17, fault 11), and
 the same fallback in the scripts %ddp export writes; the end of a run (fault 12: no rank may abort after
-final_loss, no gloo thread left at exit); a PowerSGD run whose rank is killed mid-way, resumed from its --save-every checkpoint
-(issues 12 and 25).
+final_loss, no gloo thread left at exit); a PowerSGD run whose rank is killed mid-way, resumed from its
+--save-every checkpoint (issues 12 and 25).
 
 What the script decides (a resume refused, a finished run's loss) is checked by calling its ``main(argv)`` in
 this process (``_in_process``): the world of one that `python scripts/train_micro_ddp.py` forms, without paying
