@@ -130,8 +130,8 @@ def test_readme_quick_start_is_the_two_make_targets():
         # creates: with pyproject.toml newer than the venv, it creates the venv and installs the course first
         create = subprocess.run(["make", "--no-print-directory", "-n", "-W", "pyproject.toml", target], cwd=ROOT,
                                 capture_output=True, text=True)
-        installs = re.search(r'pip install .*--no-compile -e "?\.\[test\]', create.stdout)
-        assert "pip uninstall --quiet --yes rfc3987-syntax" in create.stdout, (
+        installs = re.search(r'uv pip install .*-e "?\.\[test\]', create.stdout)
+        assert re.search(r"uv pip uninstall .*rfc3987-syntax", create.stdout), (
             f"`{command}` must drop rfc3987-syntax (4-5 s of CPU per nbformat import, the Makefile says why)")
         assert re.search(r"-m venv \.venv", create.stdout) and installs, (
             f"`{command}` must create .venv and install the course (with its test extra) when needed:\n{create.stdout}")
@@ -165,6 +165,19 @@ def test_the_torch_wheel_index_is_one_make_variable_empty_by_default():
     makefile = (ROOT / "Makefile").read_text()
     assert f"make lab TORCH_INDEX_URL={CPU_INDEX}" in makefile, "the Makefile documents the CPU-only build"
     assert not re.search(r"torch==\d", makefile), "one torch pin, in pyproject.toml: the Makefile reads it from there"
+
+
+def test_uv_installs_from_the_wheel_folder_pip_is_told_of():
+    # uv reads no pip configuration: without this a machine whose CPU build of torch lies in PIP_FIND_LINKS (the
+    # course's machines) would download several GB of CUDA torch from PyPI
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    course = [argv for argv in _setup_lines("PIP_FIND_LINKS=/srv/wheels") if ".[test]" in argv]
+    assert course and Path(course[0][0]).name == "uv" and course[0][1:3] == ["pip", "install"], (
+        f"uv installs the course: {course}")
+    argv = course[0]
+    assert "--find-links" in argv and argv[argv.index("--find-links") + 1] == "/srv/wheels", (
+        f"PIP_FIND_LINKS must reach uv as --find-links: {argv}")
 
 
 def test_make_lab_opens_the_first_lesson_of_the_learners_copy_on_loopback():
@@ -207,7 +220,7 @@ def test_make_targets_fail_when_pytest_collects_nothing(tmp_path, target, variab
     assert "no tests ran" in empty.stdout, f"expected pytest's 'no tests ran':\n{empty.stdout}{empty.stderr}"
 
 
-# pip installs without compiling (the Makefile): make's commands must then write bytecode the first time a module is
+# uv installs without compiling (the Makefile): make's commands must then write bytecode the first time a module is
 # imported, even where the environment says PYTHONDONTWRITEBYTECODE=1, or every process compiles torch again.
 WRITES_BYTECODE = "import sys\ndef test_passes():\n    assert not sys.dont_write_bytecode\n"
 
