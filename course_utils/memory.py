@@ -201,6 +201,67 @@ def _tensors_in(out):
             yield from _tensors_in(item)
 
 
+def _active_fake_mode():
+    """``torch._guards.active_fake_mode()`` read from its slot: a FakeTensorMode is always an infra mode (one slot,
+    the innermost one in it), so this is the mode that function finds by walking the whole mode stack in Python (17
+    us per call, a tenth of a tracked step's time, where the trackers below ask once per op)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def _tracker_imports():
+    """What the functions below use on every op, imported once (``torch.distributed`` only when a tracker is made)."""
+    global _DTensor, _UpdateType, _WeakRefInfo, _is_wrapper_subclass
+    from torch.distributed._tools.mem_tracker import _UpdateType, _WeakRefInfo
+    from torch.distributed.tensor import DTensor as _DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper_subclass
+
+
+def _track(tracker, reftype, t):
+    """``MemTracker._track(reftype, t)`` (torch 2.13): a plain or fake tensor has one storage, looked up directly;
+    a wrapper subclass (its storages are its inner tensors') goes through torch's own walk."""
+    if _is_wrapper_subclass(t):
+        return tracker._track(reftype, t)
+    st = t.untyped_storage()
+    winfo, _ = tracker._WINFO.get(st, (None, None))
+    if winfo is not None:
+        if winfo.size != st.size():
+            old_mem_consumed = winfo.mem_consumed
+            winfo.update_mem_consumed(st)
+            tracker._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old_mem_consumed)
+        return
+    winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype, tracker._delete_callback)
+    tracker._WINFO[st] = (winfo, w_st)
+    if winfo.mem_consumed > 0:
+        tracker._update_snap(_UpdateType.ADD, winfo)
+
+
+def _dispatch_and_track(tracker, func, types, args, kwargs, reftypes, before_outputs=None):
+    """The ``__torch_dispatch__`` of torch 2.13's ``MemTracker`` and ``FSDPMemTracker`` (the two differ only in their
+    kinds, ``reftypes``, and FSDP's relabelling of its communication buffers, ``before_outputs(func, args)``), with a
+    plain walk over the op's outputs instead of pytree's, the fake mode read once from its slot, and ``_track``'s
+    short path; then the global peak (both trackers' ``_update_peak_stats`` keep only that)."""
+    if any(t == _DTensor for t in types):
+        return NotImplemented
+    fake = _active_fake_mode()
+    if func is torch.ops._c10d_functional.wait_tensor.default and fake:
+        res = args[0]
+    else:
+        res = func(*args, **kwargs or {})
+    if fake is tracker._fake_mode_on_entry:
+        if tracker._in_opt:
+            reftype = reftypes.OPT
+        elif tracker._mod_tracker.is_bw and not tracker._in_ac:
+            reftype = reftypes.TEMP
+        else:
+            reftype = reftypes.ACT
+        if before_outputs is not None:
+            before_outputs(func, args)
+        for t in _tensors_in(res):
+            _track(tracker, reftype, t)
+        tracker._update_peak_stats(None)
+    return res
+
+
 def _step_peak_tracker():
     """torch's ``MemTracker``, keeping only the step's global peak (what ``peak_memory`` returns).
 
@@ -210,18 +271,17 @@ def _step_peak_tracker():
     and keeps the global one exactly as MemTracker computes it (``_update_peak_stats``, torch 2.13): about 7x
     faster. Its module hooks keep what decides a tensor's kind (a module's parameters and gradients tracked when
     it first runs; the checkpointed region in backward, whose recomputation counts as activations), and its
-    ``__torch_dispatch__`` is MemTracker's with a plain walk over the outputs instead of pytree's (a third of the
-    remaining time). Its module tracker only calls those hooks: torch's ``ModTracker`` also follows which modules
+    ``__torch_dispatch__`` is ``_dispatch_and_track``: MemTracker's, with a plain walk over the outputs instead of
+    pytree's (a third of the remaining time), and a fifth less again from the fake mode read from its slot and a
+    shorter ``_track``. Its module tracker only calls those hooks: torch's ``ModTracker`` also follows which modules
     are running in backward (the parents that only per-module peaks read) by registering two multi-grad hooks per
     module call, a third of what was left on a 48-block GPT. In backward, ``is_bw`` reads autograd's graph task
     as before.
     """
-    from functools import partial
-
-    from torch._guards import active_fake_mode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModMemStats, _ModState
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModMemStats
     from torch.distributed._tools.mod_tracker import ModTracker
-    from torch.distributed.tensor import DTensor
+
+    _tracker_imports()
 
     class HooksOnly(ModTracker):
         def _fw_pre_hook(self, mod, input):
@@ -262,24 +322,7 @@ def _step_peak_tracker():
             pass
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(t == DTensor for t in types):
-                return NotImplemented
-            if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
-                res = args[0]
-            else:
-                res = func(*args, **kwargs or {})
-            if active_fake_mode() is self._fake_mode_on_entry:
-                if self._in_opt:
-                    reftype = _MemRefType.OPT
-                elif self._mod_tracker.is_bw and not self._in_ac:
-                    reftype = _MemRefType.TEMP
-                else:
-                    reftype = _MemRefType.ACT
-                track = partial(self._track, reftype)
-                for t in _tensors_in(res):
-                    track(t)
-                self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
-            return res
+            return _dispatch_and_track(self, func, types, args, kwargs, _MemRefType)
 
     return StepPeakTracker()
 

@@ -166,13 +166,14 @@ def _fsdp_step_peak_tracker(model, optimizer):
     ``course_utils.memory._step_peak_tracker`` does for ``MemTracker``: after every op FSDPMemTracker also
     updates a peak per FSDP module that is running, a loop over every module it has seen (a fifth of a 7B
     step's time). The global peak is computed exactly as torch 2.13's ``_update_peak_stats`` does. Its
-    ``__torch_dispatch__`` is torch 2.13's with a plain walk over an op's outputs instead of pytree's."""
-    from torch._guards import active_fake_mode
+    ``__torch_dispatch__`` is torch 2.13's through ``course_utils.memory._dispatch_and_track`` (shared with the
+    replica tracker): FSDP's all-gather and reduce-scatter outputs relabelled as its communication buffers, then
+    every output tracked."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
-    from torch.distributed.tensor import DTensor
 
-    from course_utils.memory import _tensors_in
+    from course_utils.memory import _dispatch_and_track, _tracker_imports
 
+    _tracker_imports()
     c10d = torch.ops.c10d
 
     class FSDPStepPeakTracker(FSDPMemTracker):
@@ -182,30 +183,14 @@ def _fsdp_step_peak_tracker(model, optimizer):
                     self._peak_mem[dev] = dev_snap["Total"]
                     self._peak_mem_snap[dev] = dict(dev_snap)
 
+        def _comm_buffers(self, func, args):
+            if func is c10d._allgather_base_.default and self._fsdp_state in (_FSDPState.PRE_FW, _FSDPState.PRE_BW):
+                self._update_and_maybe_create_winfos(args[0], _FSDPRefType.ALL_GATHER, update_existing=True)
+            if func is c10d._reduce_scatter_base_.default and self._fsdp_state == _FSDPState.POST_BW:
+                self._update_and_maybe_create_winfos(args[1], _FSDPRefType.REDUCE_SCATTER, update_existing=True)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(t == DTensor for t in types):
-                return NotImplemented
-            if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
-                res = args[0]
-            else:
-                res = func(*args, **kwargs or {})
-            if active_fake_mode() is self._fake_mode_on_entry:
-                if self._in_opt:
-                    reftype = _FSDPRefType.OPT
-                elif self._mod_tracker.is_bw and not self._in_ac:
-                    reftype = _FSDPRefType.TEMP
-                else:
-                    reftype = _FSDPRefType.ACT
-                if func is c10d._allgather_base_.default and self._fsdp_state in (_FSDPState.PRE_FW,
-                                                                                  _FSDPState.PRE_BW):
-                    self._update_and_maybe_create_winfos(args[0], _FSDPRefType.ALL_GATHER, update_existing=True)
-                if func is c10d._reduce_scatter_base_.default and self._fsdp_state == _FSDPState.POST_BW:
-                    self._update_and_maybe_create_winfos(args[1], _FSDPRefType.REDUCE_SCATTER,
-                                                         update_existing=True)
-                for t in _tensors_in(res):
-                    self._track(reftype, t)
-                self._update_peak_stats(None)
-            return res
+            return _dispatch_and_track(self, func, types, args, kwargs, _FSDPRefType, self._comm_buffers)
 
     return FSDPStepPeakTracker(model, optimizer)
 
