@@ -138,6 +138,13 @@ TWO_SERVERS = textwrap.dedent("""
         b = _forkstart._state["b"]["process"].pid
         with Cluster(world_size=2, backend="gloo") as c:
             print("then from B, with torch._dynamo:", c.run(PARENT) == [(b, True)] * 2)
+            try:                # a hang on B's ranks: its report's stack starts at the cell, as on A's
+                c.run("import torch, torch.distributed as dist\\nbuf = torch.zeros(1)\\n"
+                      "dist.recv(buf, src=(rank + 1) % world_size)", timeout=3)
+            except Exception as exc:
+                stack = str(exc).split("Python stack of", 1)[-1]
+                print("a hang's stack on B's ranks starts at the cell:",
+                      "multiprocessing" not in stack and "recv" in stack, stack[:2000].replace(chr(10), " | "))
         os.environ["TORCHDYNAMO_VERBOSE"] = "1"   # what torch._dynamo reads when it loads: B read another value
         with Cluster(world_size=2, backend="gloo") as c:
             print("a changed TORCHDYNAMO_ variable, from A without it:", c.run(PARENT) == [(a, False)] * 2,
@@ -155,7 +162,8 @@ def test_the_first_fork_server_never_imports_and_the_second_serves_once_ready(tm
     A goes on forking and reaping. "slow": B imports a module that sleeps 60 s; a rank forked from A dies with
     code 3 meanwhile: the report names the code (A reaped it at once; when A itself imported, the code came 6 s late
     or, past EXIT_CODE_S, never) while B is still importing. "dynamo": the first cluster comes from A, the next
-    from B with torch._dynamo; a TORCHDYNAMO_ variable changed after B imported sends ranks to A, which read it."""
+    from B with torch._dynamo (a hang's stack there shows none of the two servers' frames); a TORCHDYNAMO_ variable
+    changed after B imported sends ranks to A, which read it."""
     if not _forkstart.wanted():
         pytest.skip("the ranks start as fresh interpreters here (COURSE_UTILS_START=spawn)")
     (tmp_path / "slow_import_probe.py").write_text("import time\ntime.sleep(60)\n")
@@ -168,6 +176,7 @@ def test_the_first_fork_server_never_imports_and_the_second_serves_once_ready(tm
         assert "next call: [0, 1]" in proc.stdout, proc.stdout
     else:
         for line in ["first cluster from A: [True, True]", "then from B, with torch._dynamo: True",
+                     "a hang's stack on B's ranks starts at the cell: True",
                      "a changed TORCHDYNAMO_ variable, from A without it: True and it is read: [True, True]",
                      "back to B: True [False, False]"]:
             assert line in proc.stdout, f"expected {line!r} in:\n{proc.stdout}{proc.stderr}"
@@ -437,7 +446,9 @@ AFTER_MAIN = textwrap.dedent("""
     import gc
     gc.collect()
     names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    print(f"rank {os.environ['RANK']} threads after main: {names}", flush=True)
+    # one write (print writes the text and its newline apart, unbuffered): the ranks share torchrun's pipe
+    sys.stdout.flush()
+    os.write(1, f"rank {os.environ['RANK']} threads after main: {names}\\n".encode())
 """)
 
 

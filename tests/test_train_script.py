@@ -125,14 +125,16 @@ def test_an_exported_notebook_script_refuses_srun_without_its_local_rank(tmp_pat
 
 # Imported by every process of the uninterrupted run below (first on PYTHONPATH): when the script has ended,
 # before the interpreter tears down its modules, each rank says which gloo threads are still running.
-AT_EXIT = '''import atexit, os
+AT_EXIT = '''import atexit, os, sys
 
 
 def _gloo_threads():
     if os.environ.get("RANK") is None or not os.path.isdir("/proc/self/task"):
         return
     names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    print(f"rank {os.environ['RANK']} gloo threads at exit: {[n for n in names if 'gloo' in n]}", flush=True)
+    # one write (print writes the text and its newline apart, unbuffered): the ranks share torchrun's pipe
+    sys.stdout.flush()
+    os.write(1, f"rank {os.environ['RANK']} gloo threads at exit: {[n for n in names if 'gloo' in n]}\\n".encode())
 
 
 atexit.register(_gloo_threads)

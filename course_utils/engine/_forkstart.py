@@ -369,8 +369,8 @@ class ForkedProcess:
         if self._stat_fd is None:
             return None
         try:
-            return os.pread(self._stat_fd, 4096, 0).rsplit(b")", 1)[1].decode().split()
-        except (OSError, IndexError):
+            return _stat_fields(os.pread(self._stat_fd, 4096, 0))
+        except OSError:
             return None
 
     def _close_stat(self):
@@ -419,9 +419,16 @@ def _proc_stat(pid):
     cannot be read (no /proc, or the process is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].decode().split()
-    except (OSError, IndexError):
+            return _stat_fields(f.read())
+    except OSError:
         return None
+
+
+def _stat_fields(raw):
+    """The fields of a /proc/PID/stat text after the command's name (which may hold spaces and parentheses: it
+    ends at the last ")"), or None when the text has no name (an empty read)."""
+    head, paren, fields = raw.rpartition(b")")
+    return fields.decode().split() if paren else None
 
 
 def zombie_exit_code(pid):

@@ -106,9 +106,13 @@ def _user_frames(tb_or_stack):
     """Frames of the learner's code and libraries, without the engine's plumbing, paths shortened."""
     out = []
     frames = list(tb_or_stack)
-    engine = [os.path.abspath(f.filename).startswith(_ENGINE_DIR) for f in frames]
-    if True in engine:  # what called the engine (a fork server's multiprocessing frames) is not shown either
-        del frames[:engine.index(True)]
+    # what ran before this module's own frames (a fork server's multiprocessing loop: two of them, with the engine's
+    # _forkstart between, in a rank forked from the second server) is not shown either
+    paths = [os.path.abspath(f.filename) for f in frames]
+    start = next((i for i, path in enumerate(paths) if path == _HERE), None)
+    if start is None:
+        start = next((i for i, path in enumerate(paths) if path.startswith(_ENGINE_DIR)), 0)
+    del frames[:start]
     for f in frames:
         if os.path.abspath(f.filename).startswith(_ENGINE_DIR) or f.filename.startswith("<frozen"):
             continue
