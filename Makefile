@@ -38,8 +38,8 @@ unexport PYTHONDONTWRITEBYTECODE
 
 # The packages are installed by uv (pip installs uv into the venv, then uv the rest): the same packages and versions
 # as pip chooses, in about 15 s instead of 55 on 2 cores (it downloads and unpacks in parallel). uv reads no pip
-# configuration: a folder of wheels that pip is told to look in
-# (PIP_FIND_LINKS, or pip.conf's find-links: on the course's machines, where the CPU build of torch lies) is passed on.
+# configuration: the folder of wheels pip is told to look in (PIP_FIND_LINKS, or pip.conf's find-links; on the
+# course's machines the CPU build of torch lies there) is passed on.
 UV_OPTS = --quiet --python $(BIN)/python
 FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 

@@ -595,9 +595,11 @@ def cuda_peaks():
     return peaks
 
 
-def memory_gap(predicted, measured, usable=0.85):
-    """(status, detail): passed when every phase's measured peak is within the prediction over ``usable`` (the
-    margin will_it_fit keeps for what no tensor meter sees); the detail gives each phase's gap."""
+def memory_gap(predicted, measured):
+    """(status, detail): passed when every phase's measured peak is within the prediction over will_it_fit's
+    ``USABLE`` (the margin it keeps for what no tensor meter sees); the detail gives each phase's gap."""
+    from course_utils.will_it_fit import USABLE as usable
+
     gaps = {p: measured[p] - predicted[p] for p in PHASES}
     worst = max(PHASES, key=lambda p: measured[p] / predicted[p])
     ok = all(measured[p] <= predicted[p] / usable for p in PHASES)
@@ -610,7 +612,6 @@ def memory_gap(predicted, measured, usable=0.85):
 def check_will_it_fit(ctx):
     """will_it_fit's prediction (fake tensors, this process, no CUDA) beside the same step on cuda:0 (another
     process: this one must never initialise CUDA): the gap is the number the 15% margin stands for."""
-    import json
     import subprocess
 
     predicted = predicted_peaks()
@@ -833,8 +834,6 @@ def main(argv=None):
     parser.add_argument("--cuda-peaks", action="store_true", help=argparse.SUPPRESS)  # check_will_it_fit's child
     args = parser.parse_args(argv)
     if args.cuda_peaks:
-        import json
-
         print(json.dumps(cuda_peaks()))
         return 0
     from course_utils.engine.launcher import _gpu_count  # NVML: this process never initialises CUDA

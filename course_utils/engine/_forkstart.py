@@ -427,7 +427,7 @@ def _proc_stat(pid):
 def _stat_fields(raw):
     """The fields of a /proc/PID/stat text after the command's name (which may hold spaces and parentheses: it
     ends at the last ")"), or None when the text has no name (an empty read)."""
-    head, paren, fields = raw.rpartition(b")")
+    _, paren, fields = raw.rpartition(b")")
     return fields.decode().split() if paren else None
 
 

@@ -109,12 +109,10 @@ def _user_frames(tb_or_stack):
     # what ran before this module's own frames (a fork server's multiprocessing loop: two of them, with the engine's
     # _forkstart between, in a rank forked from the second server) is not shown either
     paths = [os.path.abspath(f.filename) for f in frames]
-    start = next((i for i, path in enumerate(paths) if path == _HERE), None)
-    if start is None:
-        start = next((i for i, path in enumerate(paths) if path.startswith(_ENGINE_DIR)), 0)
-    del frames[:start]
-    for f in frames:
-        if os.path.abspath(f.filename).startswith(_ENGINE_DIR) or f.filename.startswith("<frozen"):
+    start = paths.index(_HERE) if _HERE in paths else next(
+        (i for i, path in enumerate(paths) if path.startswith(_ENGINE_DIR)), 0)
+    for f, path in zip(frames[start:], paths[start:]):
+        if path.startswith(_ENGINE_DIR) or f.filename.startswith("<frozen"):
             continue
         out.append(traceback.FrameSummary(_short(f.filename), f.lineno, f.name, line=f.line))
     return out
