@@ -413,30 +413,35 @@ def _proc_status(field):
     raise KeyError(field)
 
 
-def collective_scratch_bytes(collective):
+def collective_scratch_bytes(collective, tries=3):
     """Bytes of memory a collective holds beyond its tensors while it runs: the backend's own scratch.
 
     Introduced in 14_will_it_fit. gloo copies through buffers of its own, allocated outside torch, so
     ``MemTracker`` never sees them. This measures them once from the process's resident memory: run
     ``collective()`` once (warm-up), then reset the peak resident size (Linux: ``/proc/self/clear_refs``),
-    run it again, and return the peak's rise. Use tensors of tens of MiB, which glibc maps and unmaps at
-    once (above its largest mmap threshold, 32 MiB). Every rank must call it (it runs collectives and a
-    barrier). ``None`` where ``/proc/self/status`` does not exist (not Linux).
+    run it again, and return the peak's rise: the largest of ``tries`` runs (a full CI run once read no rise
+    at all on one rank, for a collective that rose by a whole copy in every other run: resident memory is the
+    whole process's, and one run's rise can be hidden). Use tensors of tens of MiB, which glibc maps and unmaps
+    at once (above its largest mmap threshold, 32 MiB). Every rank must call it (it runs collectives and
+    barriers). ``None`` where ``/proc/self/status`` does not exist (not Linux).
     """
     import torch.distributed as dist
     collective()
-    dist.barrier()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                                # resets VmHWM, the peak resident size, to VmRSS
-        before = _proc_status("VmRSS")
-    except OSError:
+    rise = None
+    for _ in range(tries):
+        dist.barrier()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")                            # resets VmHWM, the peak resident size, to VmRSS
+            before = _proc_status("VmRSS")
+        except OSError:
+            dist.barrier()
+            collective()
+            return None
         dist.barrier()
         collective()
-        return None
-    dist.barrier()
-    collective()
-    return max(0, _proc_status("VmHWM") - before)
+        rise = max(rise or 0, _proc_status("VmHWM") - before)
+    return rise
 
 
 class _NoHandle:

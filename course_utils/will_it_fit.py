@@ -238,7 +238,9 @@ def _run_jobs(jobs, workers, say):
     import concurrent.futures as cf
     import multiprocessing
 
-    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "course_utils.will_it_fit"])  # each worker forked with torch imported
+    with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         futures = {pool.submit(_job, *jobs[name]): name for name in names}
         say(0, len(names), ", ".join(names[:workers]))
         for i, fut in enumerate(progress(cf.as_completed(futures), total=len(names), desc="fake-tensor steps")):

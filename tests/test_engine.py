@@ -96,7 +96,7 @@ def test_ranks_are_forks_of_the_torch_server_or_fresh_interpreters(cluster4):
         servers = [server] if server.ppid() == os.getpid() else [server, psutil.Process(server.ppid())]
         assert servers[-1].ppid() == os.getpid(), f"the ranks' server does not descend from this process: {servers}"
         for s in servers:
-            assert "multiprocessing.forkserver" in " ".join(s.cmdline()), f"not a fork server: {s.cmdline()}"
+            assert "_forkstart import serve" in " ".join(s.cmdline()), f"not a fork server: {s.cmdline()}"
     else:
         assert parents == {os.getpid()}
         # run as `python -m course_utils.engine._worker`: the engine's module was the interpreter's main

@@ -72,22 +72,23 @@ def test_output_is_grouped_by_rank_even_when_higher_ranks_print_first(two, capfd
 # -- 2. the fork server survives an early stop, and is restarted once ---------------------------------
 EARLY_STOP = textwrap.dedent("""
     import os, signal, sys, time
-    from multiprocessing import forkserver
     from course_utils.engine import _forkstart
     _forkstart.prestart()
-    pid = forkserver._forkserver._forkserver_pid
+    pid = _forkstart._state["ctx"].pid
     time.sleep(0.2)
     os.kill(pid, signal.SIGINT)   # Jupyter's stop reaches the kernel's whole process group
     time.sleep(0.5)
     from course_utils import Cluster
     t0 = time.monotonic()
     with Cluster(world_size=2, backend="gloo") as c:
-        print("ranks", c.run("rank"), "server alive", forkserver._forkserver._forkserver_pid == pid)
+        print("ranks", c.run("rank"), "server alive", _forkstart._state["ctx"].pid == pid)
     os.kill(pid, signal.SIGKILL)  # gone for good: the next start makes a new server, once
     time.sleep(0.3)
     with Cluster(world_size=2, backend="gloo") as c:
-        print("after a kill", c.run("import sys\\nbool(sys.modules.get('multiprocessing.forkserver'))"))
-    print("new server", forkserver._forkserver._forkserver_pid not in (None, pid))
+        new = _forkstart._state["ctx"].pid
+        print("after a kill", [ppid in (new, _forkstart._state["b"] and _forkstart._state["b"]["server"].pid)
+                               for ppid in c.run("import os\\nos.getppid()")])
+    print("new server", new not in (None, pid))
 """)
 
 
@@ -106,7 +107,6 @@ def test_an_interrupt_while_the_fork_server_imports_torch_does_not_kill_it():
 TWO_SERVERS = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, sys.argv[1])          # the slow probe module, on the servers' path too
-    from multiprocessing import forkserver
     from course_utils import Cluster
     from course_utils.engine import _forkstart
 
@@ -120,7 +120,7 @@ TWO_SERVERS = textwrap.dedent("""
     if sys.argv[2] == "slow":   # B imports a module that takes 60 s: a rank of A dies meanwhile
         _forkstart.LATER = ["slow_import_probe"]
         with Cluster(world_size=2, backend="gloo") as c:
-            a = forkserver._forkserver._forkserver_pid
+            a = _forkstart._state["ctx"].pid
             t0 = time.monotonic()
             try:
                 c.run("import os, torch, torch.distributed as dist\\nif rank == 1:\\n    os._exit(3)\\n"
@@ -132,10 +132,10 @@ TWO_SERVERS = textwrap.dedent("""
             print("next call:", c.run("rank"))
     else:                       # B imports torch._dynamo, as it does in a lesson
         with Cluster(world_size=2, backend="gloo") as c:
-            a = forkserver._forkserver._forkserver_pid
+            a = _forkstart._state["ctx"].pid
             print("first cluster from A:", [p == a for p, _ in c.run(PARENT)])
         wait_for_b()
-        b = _forkstart._state["b"]["process"].pid
+        b = _forkstart._state["b"]["server"].pid
         with Cluster(world_size=2, backend="gloo") as c:
             print("then from B, with torch._dynamo:", c.run(PARENT) == [(b, True)] * 2)
             try:                # a hang on B's ranks: its report's stack starts at the cell, as on A's
@@ -180,6 +180,23 @@ def test_the_first_fork_server_never_imports_and_the_second_serves_once_ready(tm
                      "a changed TORCHDYNAMO_ variable, from A without it: True and it is read: [True, True]",
                      "back to B: True [False, False]"]:
             assert line in proc.stdout, f"expected {line!r} in:\n{proc.stdout}{proc.stderr}"
+
+
+def test_a_reply_left_unread_by_an_interrupted_request_is_never_taken_for_the_next_ones():
+    """The fork server's socket carries one request at a time; a stop between a request and its reply (or a reply
+    that came past its deadline) leaves that reply unread. Every request has its own id, so the next request drops
+    the stale reply (and closes any fd that came with it) instead of taking it for its own: without the ids, the
+    fork of the next rank would read another request's answer. Nothing on that socket is unpickled: it is JSON."""
+    if not _forkstart.wanted():
+        pytest.skip("the ranks start as fresh interpreters here (COURSE_UTILS_START=spawn)")
+    server = _forkstart.context()
+    with _forkstart._lock:
+        _forkstart._send(server.sock, {"op": "left unread", "id": 0})   # its reply is never read
+        with pytest.raises(OSError) as raised:
+            server.ask({"op": "this one"})
+    assert "unknown request 'this one'" in str(raised.value), f"took another request's reply: {raised.value}"
+    with Cluster(world_size=1, backend="gloo") as c:
+        assert c.run("rank") == [0], "the server still forks ranks"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")

@@ -296,14 +296,13 @@ def test_ranks_end_when_the_notebook_dies_even_if_their_pipes_stay_open(tmp_path
 
 
 def test_a_server_that_cannot_start_falls_back_to_fresh_interpreters_with_one_note(monkeypatch, capfd):
-    from multiprocessing import forkserver
-
     def cannot_start():
         raise OSError("no fork server here")
 
     monkeypatch.setenv("COURSE_UTILS_START", "forkserver")  # ask for the server (the default on Linux)
-    monkeypatch.setattr(_forkstart, "_state", {"ctx": None, "failed": None, "noted": False, "restarted": False})
-    monkeypatch.setattr(forkserver, "ensure_running", cannot_start)
+    monkeypatch.setattr(_forkstart, "_state", {"ctx": None, "failed": None, "noted": False, "restarted": False,
+                                               "retired": [], "b": None})
+    monkeypatch.setattr(_forkstart, "_start_server", cannot_start)
     where = []
     for _ in range(2):
         with Cluster(world_size=1, backend="gloo") as c:

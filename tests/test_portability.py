@@ -64,9 +64,9 @@ def test_a_deadlock_is_released_without_proc(no_proc_cluster):
 
 NOTEBOOK = textwrap.dedent("""
     import json, os, sys, time
-    from multiprocessing import forkserver
     sys.path.insert(0, {root!r})
     from course_utils import Cluster
+    from course_utils.engine import _forkstart
     c = Cluster(world_size=2, backend="gloo")
     holder = os.fork()
     if holder == 0:          # a child of the notebook that keeps every pipe to the ranks open
@@ -75,7 +75,7 @@ NOTEBOOK = textwrap.dedent("""
         os.dup2(null, 2)
         time.sleep(120)
         os._exit(0)
-    server = forkserver._forkserver._forkserver_pid  # None when the ranks start as fresh interpreters
+    server = _forkstart._state["ctx"] and _forkstart._state["ctx"].pid  # None: the ranks are fresh interpreters
     print(json.dumps({{"ranks": c.pids, "holder": holder, "server": server}}), flush=True)
     os.kill(os.getpid(), 9)  # the notebook dies without a word
 """)

@@ -1,23 +1,33 @@
-"""Ranks forked from a per-process fork server that has torch imported already (issue 16).
+"""Ranks forked from the course's own fork server, which has torch imported already (issues 16 and 41).
 
-The server is multiprocessing's own forkserver: a fresh interpreter, started once per notebook
-kernel, that imports torch, torch.distributed and the engine's worker module, and never
-initialises CUDA or runs parallel work. A rank forked from it starts in a fraction of a second
-instead of paying ``import torch`` again. Per-rank settings that libraries read when they load
-(the OpenMP thread count) are applied after the fork, with ``torch.set_num_threads``.
+The server is a fresh interpreter, started once per notebook kernel (at ``%load_ext course_utils``), that imports
+torch, torch.distributed and the engine's worker module, and never initialises CUDA or runs parallel work. A rank
+forked from it starts in a fraction of a second instead of paying ``import torch`` again. Per-rank settings that
+libraries read when they load (the OpenMP thread count) are applied after the fork, with ``torch.set_num_threads``.
+
+The notebook and a server talk over a socketpair that only the two of them hold (nothing listens): a request is
+JSON (the rank's environment, the names of the file descriptors attached to it with SCM_RIGHTS, its thread count),
+the reply the new pid. Nothing is unpickled. Each server reaps its own children as soon as they exit (SIGCHLD) and
+writes each rank's exit code on the pipe the notebook sent with its request, so a death and its code reach the
+notebook whatever the other server is doing; a rank's death shows first as EOF on its result pipe (launcher.py).
 
 Two servers (issue 41). A, started first, serves at once with torch imported. Once a cluster has started, A forks
-B (an ordinary process of A's), which imports what ranks would otherwise import at their first optimizer or DDP
-(``LATER``: torch._dynamo) while A goes on forking and reaping; from the moment B says it is ready, new ranks are
-forked from B. Each server reaps its own children and reports their exit codes at once: neither ever imports on
-the thread that serves forks.
+B (asked over A's socketpair; B gets its own), which imports what ranks would otherwise import at their first
+optimizer or DDP (``LATER``: torch._dynamo) while A goes on forking and reaping; from the moment B says it is ready,
+new ranks are forked from B. Neither ever imports while it serves. Each ends when the notebook closes its socket
+(the kernel exits) or when its parent ends (the notebook for A, A for B); its ranks then end too.
 
-``COURSE_UTILS_START=spawn`` starts every rank as a fresh interpreter instead (the fallback the
-engine also takes, with a note, when the server cannot start).
+``COURSE_UTILS_START=spawn`` starts every rank as a fresh interpreter instead (the fallback the engine also takes,
+with a note, when the server cannot start or dies twice).
 """
 import contextlib
-import multiprocessing
+import itertools
+import json
 import os
+import select
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -26,54 +36,263 @@ import threading
 # first optimizer or DDP imports), its `group=group.WORLD` default arguments capture the live group and keep
 # it, and its gloo threads, alive after destroy_process_group() (see scripts/train_micro_ddp.py's setup()).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn",
-           "cloudpickle",
-           "course_utils.engine._wire", "course_utils.engine._worker", "course_utils.engine._forkstart"]
-# Imported by a second server (B), never by the first (A): B is forked from A once a cluster has started, imports
+           "cloudpickle", "course_utils.engine._wire", "course_utils.engine._worker"]
+# Imported by the second server (B), never by the first (A): B is forked from A once a cluster has started, imports
 # these while A goes on forking and reaping, and serves every rank asked for once it says it is ready. A rank forked
 # from B has them for free (each rank's first optimizer or DDP would pay for them); one forked from A imports them
-# when its code first needs them. A never imports on the thread that serves forks: while it imported, it neither
-# forked nor reaped (issue 41: a dead rank's exit code came 5-7 s late, a new cluster waited seconds).
+# when its code first needs them (issue 41: while a server imported, it neither forked nor reaped: a dead rank's exit
+# code came 5-7 s late, a new cluster waited seconds).
 LATER = ["torch._dynamo"]
 # Environment variables that torch._dynamo (and what it imports) reads when it is imported: a rank whose
 # environment differs from B's in one of them is forked from A, so that it reads its own when it imports them.
 LATER_READS = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_LOGS", "PYTORCH_")
+REPLY_S = 120.0      # how long a fork may wait for the server's reply (the first waits while it imports torch)
+WATCH_S = 0.5        # how often a server looks whether its parent is still there
+_HEADER = struct.Struct("!I")
+_REQUESTS = itertools.count(1)
+_CODE = struct.Struct("!i")
 
-_SERVER_OF = "COURSE_UTILS_FORK_SERVER_OF"
 _lock = threading.RLock()
+_state = {"ctx": None, "failed": None, "noted": False, "restarted": False, "retired": [],
+          "b": None}  # the second server: {"server", "env", "ready"}
 
 
-def _end_with_the_parent(parent):
-    """In a fork server: end when its parent (the notebook process for A, A for B) does, even if a child of the
-    notebook still holds the pipe that multiprocessing watches; the ranks then see their parent gone and end too."""
+# -- the wire: length-prefixed JSON, file descriptors attached to the first byte -----------------------------------
+def _readable(fds, timeout):
+    """The ones of ``fds`` (ints or sockets) with something to read (or EOF) within ``timeout`` seconds (None: no
+    limit). poll, not select.select, which fails above fd 1024."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = None if timeout is None else max(0, int(timeout * 1000))
+    ready = {fd for fd, _ in poller.poll(ms)}
+    return [fd for fd in fds if (fd if isinstance(fd, int) else fd.fileno()) in ready]
+
+
+def _send(sock, obj, fds=()):
+    data = json.dumps(obj).encode()
+    data = _HEADER.pack(len(data)) + data
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def _recv_exactly(sock, n, deadline, fds):
+    """``n`` bytes (and the fds that came with them, appended to ``fds``); None on EOF. Raises TimeoutError."""
     import time
 
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
+    buf = b""
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not _readable([sock], left):
+                raise TimeoutError("the fork server did not answer")
+        data, got, flags, _ = socket.recv_fds(sock, n - len(buf), 16)
+        if flags & getattr(socket, "MSG_CTRUNC", 0):
+            raise OSError("file descriptors were lost on the way from the fork server")
+        fds.extend(got)
+        if not data:
+            return None
+        buf += data
+    return buf
 
-    threading.Thread(target=watch, name="course_utils-server-watchdog", daemon=True).start()
+
+def _recv(sock, timeout=None):
+    """(message, fds), or (None, []) once the other end is closed."""
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    fds = []
+    header = _recv_exactly(sock, _HEADER.size, deadline, fds)
+    body = header and _recv_exactly(sock, _HEADER.unpack(header)[0], deadline, fds)
+    if body is None:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(body), fds
 
 
-if os.environ.get(_SERVER_OF) and multiprocessing.parent_process() is None and os.getppid() == int(
-        os.environ[_SERVER_OF]):
-    _end_with_the_parent(int(os.environ.pop(_SERVER_OF)))
+# -- in a server ---------------------------------------------------------------------------------------------------
+def serve(fd, parent, path, preload):
+    """A server's main (A's, in a fresh interpreter the notebook started): import ``preload``, then serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stop button signals the kernel's whole process group
+    sys.path[:0] = [p for p in path if p not in sys.path]
+    for name in preload:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
     import gc
 
-    # In the server, after the preload (this module comes last): its ~280k objects (torch) are never
-    # collected in the ranks, so their gc passes stay cheap and touch none of the shared pages.
-    gc.freeze()
-_state = {"ctx": None, "failed": None, "noted": False, "restarted": False,
-          "b": None}  # the second server: {"address", "alive_w", "ready_r", "process", "env", "ready"}
+    gc.freeze()  # its ~280k objects (torch) are never collected in the ranks: their gc passes touch no shared page
+    _Server(socket.socket(fileno=fd), parent).loop()
+    os._exit(0)
+
+
+class _Server:
+    """The loop of a fork server: fork a rank or the second server when asked, reap children as they exit."""
+
+    def __init__(self, sock, parent):
+        self.sock, self.parent = sock, parent
+        self.status = {}  # pid -> the write end of the pipe its exit code goes to
+
+    def loop(self):
+        wake_r, wake_w = os.pipe()
+        for fd in (wake_r, wake_w):
+            os.set_blocking(fd, False)
+        self.wake = (wake_r, wake_w)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD wakes select
+        while os.getppid() == self.parent:
+            ready = _readable([self.sock, wake_r], WATCH_S)
+            if wake_r in ready:
+                with contextlib.suppress(OSError):
+                    os.read(wake_r, 4096)
+            self.reap()
+            if self.sock in ready:
+                message, fds = _recv(self.sock)
+                if message is None:
+                    return  # the notebook closed its end: the kernel is gone, or it stopped this server
+                self.handle(message, fds)
+
+    def reap(self):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            fd = self.status.pop(pid, None)
+            if fd is not None:  # B has none: A only reaps it
+                with contextlib.suppress(OSError):
+                    os.write(fd, _CODE.pack(os.waitstatus_to_exitcode(status)))
+                os.close(fd)
+
+    def in_child(self, keep=()):
+        """After a fork, in the child: none of the server's descriptors or handlers."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.sock.close()
+        for fd in [*self.wake, *self.status.values()]:
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def handle(self, message, fds):
+        reply = {"id": message.get("id")}
+        try:
+            if message.get("op") == "fork":
+                *given, status_w = fds
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        self.in_child(keep=given)
+                        os.close(status_w)
+                        signal.signal(signal.SIGINT, signal.default_int_handler)
+                        _rank_main(message["env"], dict(zip(message["names"], given)), message["threads"])
+                    finally:
+                        os._exit(1)
+                self.status[pid] = status_w
+                fds = given
+                _send(self.sock, dict(reply, pid=pid))
+            elif message.get("op") == "second":
+                mine, theirs = socket.socketpair()
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        self.in_child(keep=[mine.fileno()])
+                        theirs.close()
+                        _serve_b(mine, message["env"], message["later"])
+                    finally:
+                        os._exit(0)
+                mine.close()
+                _send(self.sock, dict(reply, pid=pid), [theirs.fileno()])
+                theirs.close()
+            else:
+                _send(self.sock, dict(reply, error=f"unknown request {message.get('op')!r}"))
+        except Exception as exc:  # a failed fork (EAGAIN, ENOMEM): the notebook says why and falls back
+            with contextlib.suppress(OSError):
+                _send(self.sock, dict(reply, error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _serve_b(sock, env, later):
+    """Server B, forked by A: import ``later`` with the notebook's environment of the moment, say so, then serve."""
+    import gc
+    import time
+
+    os.environ.clear()
+    os.environ.update(env)
+    parent, importing = os.getppid(), threading.Event()
+    importing.set()
+
+    def watch():  # while it imports (seconds; the loop watches afterwards): end with A, which ends with the notebook
+        while importing.is_set():
+            if os.getppid() != parent:
+                os._exit(0)
+            time.sleep(0.1)
+
+    watchdog = threading.Thread(target=watch, name="course_utils-server-watchdog", daemon=True)
+    watchdog.start()
+    for name in later:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    importing.clear()
+    watchdog.join()  # no thread of its own is left when it forks
+    gc.freeze()  # as A does after its preload
+    _send(sock, {"ready": True})
+    _Server(sock, parent).loop()
+
+
+# -- in the notebook -----------------------------------------------------------------------------------------------
+class Server:
+    """The notebook's end of one server: its socket, its pid, and (A only) the process to reap."""
+
+    def __init__(self, sock, pid, popen=None):
+        self.sock, self.pid, self.popen = sock, pid, popen
+
+    def ask(self, message, fds=(), timeout=REPLY_S):
+        """Send a request, return (its reply, the fds that came with it). A reply to an earlier request that was
+        never read (a stop landed between the two) is dropped, its fds closed: every request has its own id."""
+        import time
+
+        message = dict(message, id=next(_REQUESTS))
+        deadline = time.monotonic() + timeout
+        _send(self.sock, message, fds)
+        while True:
+            reply, got = _recv(self.sock, max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                raise EOFError("the fork server is gone")
+            if reply.get("id") == message["id"]:
+                break
+            for fd in got:
+                os.close(fd)
+        if "error" in reply:
+            raise OSError(f"the fork server could not fork: {reply['error']}")
+        return reply, got
+
+    def close(self, wait_s=0.0):
+        self.sock.close()  # the server reads EOF and ends
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.popen.wait(timeout=1.0)
 
 
 @contextlib.contextmanager
 def _sigint_ignored():
-    """Jupyter's stop button signals the kernel's whole process group, and the server is in it: a
-    server started with SIGINT ignored keeps ignoring it (Python installs its own handler only over
-    the default one), also while it imports torch, so an early stop cannot kill it."""
-    import signal
-
+    """Jupyter's stop button signals the kernel's whole process group, and the server is in it: a server started
+    with SIGINT ignored keeps ignoring it (Python installs its own handler only over the default one), also while
+    it imports torch, so an early stop cannot kill it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -84,15 +303,23 @@ def _sigint_ignored():
         signal.signal(signal.SIGINT, old)
 
 
-def _ensure_running():
-    from multiprocessing import forkserver
-
-    os.environ[_SERVER_OF] = str(os.getpid())  # read by this module, imported in the server
+def _start_server():
+    """Start A: a fresh interpreter with this process's path and environment; it imports PRELOAD in the background
+    (the first fork request waits for that)."""
+    mine, theirs = socket.socketpair()  # neither end is inherited by anything else this process starts
+    code = ("import json, sys; args = json.loads(sys.argv[1]); sys.path[:0] = args['path']; "
+            "from course_utils.engine._forkstart import serve; serve(**args)")
+    args = {"fd": theirs.fileno(), "parent": os.getpid(), "path": sys.path, "preload": PRELOAD}
     try:
         with _sigint_ignored():
-            forkserver.ensure_running()  # (re)starts it if needed; imports happen in the server, in the background
+            popen = subprocess.Popen([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code,
+                                      json.dumps(args)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+    except BaseException:
+        mine.close()
+        raise
     finally:
-        os.environ.pop(_SERVER_OF, None)
+        theirs.close()
+    return Server(mine, popen.pid, popen)
 
 
 def wanted():
@@ -103,18 +330,15 @@ def wanted():
 
 
 def context():
-    """The forkserver context with torch preloaded, started on first use; None: use fresh interpreters."""
+    """The first server (A), started on first use; None: use fresh interpreters."""
     if not wanted():
         return None
     with _lock:
         if _state["ctx"] is None and _state["failed"] is None:
             try:
-                if "forkserver" not in multiprocessing.get_all_start_methods():
-                    raise OSError("this system has no forkserver start method")
-                ctx = multiprocessing.get_context("forkserver")
-                ctx.set_forkserver_preload(PRELOAD)
-                _ensure_running()
-                _state["ctx"] = ctx
+                if not hasattr(os, "fork") or not hasattr(socket, "send_fds"):
+                    raise OSError("this system cannot fork or pass file descriptors")
+                _state["ctx"] = _start_server()
             except Exception as exc:  # an unusual platform: fresh interpreters, said once
                 _state["failed"] = f"could not start ({type(exc).__name__}: {exc})"
         if _state["failed"] is not None and not _state["noted"]:
@@ -134,14 +358,18 @@ def prestart():
 
 def restart(reason):
     """The server failed to fork a rank (it died, e.g. killed): start a new one, once per process, and
-    return its context; after that, or if the restart fails, fall back to fresh interpreters (None)."""
+    return it; after that, or if the restart fails, fall back to fresh interpreters (None)."""
     with _lock:
         _drop_second_server()
-        if _state["ctx"] is not None and not _state["restarted"]:
+        old = _state["ctx"]
+        if old is not None and old.popen.poll() is None:
+            _state["retired"].append(old)  # alive but failing: closing it would end other clusters' ranks
+        elif old is not None:
+            old.close()  # dead: reaped
+        if old is not None and not _state["restarted"]:
             _state["restarted"] = True
             try:
-                _reap_dying_server()
-                _ensure_running()
+                _state["ctx"] = _start_server()
                 return _state["ctx"]
             except Exception as exc:
                 reason = f"{reason}; a new one did not start either ({type(exc).__name__}: {exc})"
@@ -149,213 +377,99 @@ def restart(reason):
     return context()
 
 
-def _reap_dying_server(wait_s=2.0):
-    """Before a restart: reap the server that failed a fork if it is dying. A killed server with threads (its
-    watchdog) shows as a zombie before its last thread has exited, and until then waitpid(WNOHANG) returns 0:
-    multiprocessing's ensure_running then takes it for alive, keeps its dead address, and the retried fork fails
-    too (CI saw "EOFError: unexpected EOF" and a fallback after one death). A server still alive after ``wait_s``
-    is left to ensure_running, which keeps it: killing it would end the ranks of other clusters."""
-    import time
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done = pid  # reaped already (not by multiprocessing): forget it all the same
-        if done:
-            break
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.01)
-    # what ensure_running does for a server it finds dead, without its waitpid (this one is reaped now)
-    if getattr(server, "_forkserver_alive_fd", None) is not None:
-        with contextlib.suppress(OSError):
-            os.close(server._forkserver_alive_fd)
-    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-
-
-def _serve_b(listener, alive_r, ready_w, env, later):
-    """Server B, a process forked by A: import ``later`` (LATER) with the notebook's environment of the moment, say
-    so on ``ready_w``, then serve forks as multiprocessing's forkserver does (its own loop: forks, reaps its children,
-    writes their exit codes). It ends when the notebook closes ``alive_r``'s other end or when A ends."""
-    import gc
-
-    from multiprocessing import forkserver
-
-    os.environ.clear()
-    os.environ.update(env)
-    _end_with_the_parent(os.getppid())
-    for name in later:
-        try:
-            __import__(name)
-        except ImportError:
-            pass
-    gc.freeze()  # as A does after its preload
-    os.write(ready_w, b"1")
-    os.close(ready_w)
-    forkserver.main(listener, alive_r, [])
-
-
 def _later_env(env):
     return {k: v for k, v in env.items() if k.startswith(LATER_READS)}
 
 
 def start_second_server():
-    """Once a cluster has started from A: fork server B from A (milliseconds), which imports LATER on its own while
-    A keeps serving. Does nothing when B runs already, when the ranks are fresh interpreters, or when it fails."""
-    import socket
-    from multiprocessing import connection, util
-
+    """Once a cluster has started from A: ask A to fork server B (milliseconds), which imports LATER on its own
+    while A keeps serving. Does nothing when B runs already, when the ranks are fresh interpreters, or when it fails."""
     with _lock:
-        ctx = _state["ctx"]
-        if ctx is None or _state["b"] is not None:
+        a = _state["ctx"]
+        if a is None or _state["b"] is not None:
             return
-        fds = []
+        env = dict(os.environ)
         try:
-            address = connection.arbitrary_address("AF_UNIX")
-            with socket.socket(socket.AF_UNIX) as listener:
-                listener.bind(address)
-                if not util.is_abstract_socket_namespace(address):
-                    os.chmod(address, 0o600)
-                listener.listen()
-                alive_r, alive_w = os.pipe()
-                ready_r, ready_w = os.pipe()
-                fds = [alive_r, alive_w, ready_r, ready_w]
-                env = dict(os.environ)
-                process = ctx.Process(target=_serve_b, name="course_utils fork server B", daemon=True,
-                                      args=(_Fd(listener.fileno()), _Fd(alive_r), _Fd(ready_w), env, list(LATER)))
-                with _without_main():
-                    process.start()  # through A: the globals of multiprocessing's forkserver point at A here
-            for fd in (alive_r, ready_w):
-                os.close(fd)
-            os.set_blocking(ready_r, False)
-            _state["b"] = {"address": address, "alive_w": alive_w, "ready_r": ready_r, "process": process,
-                           "env": _later_env(env), "ready": False}
+            reply, fds = a.ask({"op": "second", "env": env, "later": list(LATER)}, timeout=10.0)
+            (fd,) = fds
         except Exception:  # B is an optimisation: A serves every rank without it
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            return
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(True)
+        _state["b"] = {"server": Server(sock, reply["pid"]), "env": _later_env(env), "ready": False}
 
 
 def second_server_ready():
-    """Whether B has imported LATER and serves (it said so on its pipe). Call with _lock held or from tests."""
+    """Whether B has imported LATER and serves (it said so on its socket). Call with _lock held or from tests."""
     b = _state["b"]
     if b is None:
         return False
     if not b["ready"]:
+        sock = b["server"].sock
         try:
-            b["ready"] = os.read(b["ready_r"], 1) == b"1"
-        except BlockingIOError:
+            if not _readable([sock], 0):
+                return False
+            message, _ = _recv(sock, timeout=1.0)
+        except (OSError, ValueError):
+            message = None
+        if message is None:  # B ended before it was ready
+            _drop_second_server()
             return False
-        except OSError:
-            return False
+        b["ready"] = bool(message.get("ready"))
     return b["ready"]
 
 
 def _drop_second_server():
-    """Forget B (dead, or its requests failed); closing its alive pipe ends it if it still runs."""
+    """Forget B (dead, or its requests failed); closing its socket ends it if it still runs."""
     b, _state["b"] = _state["b"], None
     if b is not None:
-        for fd in (b["alive_w"], b["ready_r"]):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        b["server"].close()
 
 
-@contextlib.contextmanager
-def _served_by(env):
-    """While a rank starts: multiprocessing's forkserver globals point at B when B is ready and ``env`` agrees with
-    B's in what LATER reads, else at A (as they are the rest of the time: ensure_running checks A)."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
+def _server_for(env):
+    """B when it is ready and ``env`` agrees with B's in what LATER reads, else A."""
     b = _state["b"]
-    if b is None or not second_server_ready() or _later_env(env) != b["env"] or b["process"].exitcode is not None:
-        yield "A"
-        return
-    a = (server._forkserver_address, server._forkserver_alive_fd)
-    server._forkserver_address, server._forkserver_alive_fd = b["address"], b["alive_w"]
-    try:
-        yield "B"
-    finally:
-        server._forkserver_address, server._forkserver_alive_fd = a
+    if b is not None and second_server_ready() and _later_env(env) == b["env"]:
+        return _state["b"]["server"]
+    return _state["ctx"]
 
 
 def stop():
-    """End the fork server (the extension's unload does, after the clusters are shut down): the next
+    """End the fork servers (the extension's unload does, after the clusters are shut down): the next
     cluster starts a new one, which reads the environment and the installed packages afresh."""
-    from multiprocessing import forkserver
-
     with _lock:
         _drop_second_server()
-        server = forkserver._forkserver
-        try:
-            if getattr(server, "_forkserver_pid", None) is not None:
-                server._stop()  # private, as multiprocessing's own tests use it: closes the pipe, waits
-        except Exception:
-            pass
-        _state.update(ctx=None, failed=None, noted=False, restarted=False)
-
-
-class _Fd:
-    """A file descriptor that travels to the forked rank (multiprocessing passes it over a Unix socket)."""
-
-    def __init__(self, fd):
-        self.fd = fd
-
-    def __reduce__(self):
-        from multiprocessing import reduction
-
-        return _detach, (reduction.DupFd(self.fd),)
-
-
-def _detach(dup):
-    return dup.detach()
-
-
-@contextlib.contextmanager
-def _without_main():
-    """multiprocessing makes a child import the parent's main script (as __mp_main__), which would
-    run a learner's script, or pytest, once more on every rank: the ranks get no main module."""
-    from multiprocessing import spawn
-
-    original = spawn.get_preparation_data
-
-    def preparation_data(name):
-        return {k: v for k, v in original(name).items() if not k.startswith("init_main_from")}
-
-    spawn.get_preparation_data = preparation_data
-    try:
-        yield
-    finally:
-        spawn.get_preparation_data = original
+        for server in [_state["ctx"], *_state["retired"]]:
+            if server is not None:
+                server.close(wait_s=2.0)
+        _state.update(ctx=None, failed=None, noted=False, restarted=False, retired=[])
 
 
 class ForkedProcess:
-    """A rank forked by the server, with the part of ``subprocess.Popen``'s interface the launcher uses."""
+    """A rank forked by a server, with the part of ``subprocess.Popen``'s interface the launcher uses."""
 
     def __init__(self, ctx, env, fds, threads):
-        """``fds``: name -> this process's fd (stdout, stderr, cmd, res and maybe listen)."""
-        args = (env, {k: _Fd(v) for k, v in fds.items()}, threads)
-        # daemon: mp ends it at exit
-        process = lambda: ctx.Process(target=_rank_main, args=args, name=f"rank {env['RANK']}", daemon=True)  # noqa: E731
-        with _lock, _without_main():
-            with _served_by(env) as server:
-                self._p = process()
+        """``ctx``: A (context()); ``fds``: name -> this process's fd (stdout, stderr, cmd, res and maybe listen)."""
+        status_r, status_w = os.pipe()
+        try:
+            with _lock:
+                server = _server_for(env)
+                message = {"op": "fork", "env": env, "names": list(fds), "threads": threads}
                 try:
-                    self._p.start()
+                    reply, _ = server.ask(message, [*fds.values(), status_w])
                 except Exception:
-                    if server != "B":
+                    if server is ctx:
                         raise
                     _drop_second_server()  # B is gone: A serves, as before B was ready
-                    self._p = process()
-                    self._p.start()
-        self.pid = self._p.pid
+                    reply, _ = ctx.ask(message, [*fds.values(), status_w])
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+        os.set_blocking(status_r, False)
+        self._status = status_r  # the server writes the exit code here once it has reaped the rank
+        self.pid = reply["pid"]
         self.returncode = None
         # /proc/PID/stat held open: a pread answers "alive?" in microseconds (an open/read/close is 8x that, and
         # the check runs per rank before every call), and the fd stays bound to this process, never to a later
@@ -363,7 +477,7 @@ class ForkedProcess:
         try:
             self._stat_fd = os.open(f"/proc/{self.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            self._stat_fd = None  # no /proc (macOS): multiprocessing's exitcode alone
+            self._stat_fd = None  # no /proc (macOS): the status pipe alone
 
     def _stat(self):
         if self._stat_fd is None:
@@ -373,45 +487,62 @@ class ForkedProcess:
         except OSError:
             return None
 
-    def _close_stat(self):
-        fd, self._stat_fd = self._stat_fd, None
-        if fd is not None:
-            os.close(fd)
+    def _close(self):
+        for name in ("_stat_fd", "_status"):
+            fd = getattr(self, name, None)
+            setattr(self, name, None)
+            if fd is not None:
+                os.close(fd)
 
     def __del__(self):
-        self._close_stat()
+        self._close()
+
+    def _reported(self):
+        """The exit code its server wrote, or None while there is none. A server that ended without writing one
+        (killed) gives 255, as multiprocessing's own fork server client does."""
+        if self._status is None:
+            return None
+        try:
+            data = os.read(self._status, _CODE.size)
+        except BlockingIOError:
+            return None
+        except OSError:
+            data = b""
+        return _CODE.unpack(data)[0] if len(data) == _CODE.size else 255
 
     def poll(self):
         """The exit code, or None while the rank lives. Called before every call (Cluster.alive): where /proc
-        exists one pread of the held /proc/PID/stat answers for a live rank (multiprocessing's own check builds a
-        selector each time, and the warm round trip is a millisecond)."""
+        exists one pread of the held /proc/PID/stat answers for a live rank."""
         if self.returncode is None:
             fields = self._stat()
             if fields and fields[0] not in ("Z", "X"):
                 return None  # running or asleep: alive
-            code = self._p.exitcode
+            code = zombie_exit_code(self.pid) if fields else None  # dead, not reaped yet: the kernel keeps it
+            if code is None:
+                code = self._reported()
             if code is not None:
                 self.returncode = code
-                self._p.close()  # the sentinel's fd
-            elif fields and fields[0] in ("Z", "X"):  # dead, not reaped yet: the kernel keeps the code till then
-                self.returncode = zombie_exit_code(self.pid)
-            if self.returncode is not None:
-                self._close_stat()
+                self._close()
         return self.returncode
 
     def wait(self, timeout=None):
-        if self.returncode is None:
-            self._p.join(timeout)
-            if self.poll() is None:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            if self._status is None:
+                time.sleep(0.05)
+            else:
+                _readable([self._status], 0.05 if left is None else min(0.05, left))
         return self.returncode
 
     def kill(self):
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, 9)
-            except OSError:
-                pass
+        if self.returncode is None and (self._stat_fd is None or self._stat() is not None):  # not reaped yet
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
 
 
 def _proc_stat(pid):
@@ -434,8 +565,7 @@ def _stat_fields(raw):
 def zombie_exit_code(pid):
     """The exit code of ``pid`` as Popen gives it (negative: the signal), read from /proc while the process is a
     zombie that its parent has not reaped yet: field 52 of /proc/PID/stat holds its wait status (Linux 3.5+).
-    None while any of its threads runs, once it is reaped, or where there is no /proc. A rank's death is then
-    reported with its code whatever its server is doing (issue 41: a server that imported reported it 6 s late)."""
+    None while any of its threads runs, once it is reaped, or where there is no /proc."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -475,7 +605,6 @@ def _rank_main(env, fds, threads):
         os.chdir(cwd)
         if cwd not in sys.path:
             sys.path.insert(0, cwd)
-    multiprocessing.current_process().daemon = False  # the rank may start its own workers (DataLoader)
     import faulthandler
 
     import torch

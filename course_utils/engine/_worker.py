@@ -106,8 +106,8 @@ def _user_frames(tb_or_stack):
     """Frames of the learner's code and libraries, without the engine's plumbing, paths shortened."""
     out = []
     frames = list(tb_or_stack)
-    # what ran before this module's own frames (a fork server's multiprocessing loop: two of them, with the engine's
-    # _forkstart between, in a rank forked from the second server) is not shown either
+    # what ran before this module's own frames (the fork server's loop that forked the rank, and for a rank of the
+    # second server also the first's, which forked that server) is not shown either
     paths = [os.path.abspath(f.filename) for f in frames]
     start = paths.index(_HERE) if _HERE in paths else next(
         (i for i, path in enumerate(paths) if path.startswith(_ENGINE_DIR)), 0)

@@ -5,8 +5,8 @@ imported (course_utils.engine._forkstart), or is a fresh Python interpreter wher
 start; never a fork of the notebook process. torch.distributed is initialised once, so a cell
 costs a pipe round trip, not a process start.
 ``spawn`` is the drop-in for ``torch.multiprocessing.spawn``: fresh ranks without a process group.
-The notebook talks to its ranks over private pipes; the only sockets are torch's own
-rendezvous store and the backend's connections, all on 127.0.0.1.
+The notebook talks to its ranks over private pipes (and to the fork servers over socketpairs); the only
+listening sockets are torch's own rendezvous store and the backend's connections, all on 127.0.0.1.
 """
 import _signal
 import contextlib
