@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, in_ci
 from engine_helpers import ranks_below
 from course_utils import Cluster, DistributedError
 from course_utils.engine import _forkstart, export, magic, reports
@@ -180,6 +180,37 @@ def test_the_first_fork_server_never_imports_and_the_second_serves_once_ready(tm
                      "a changed TORCHDYNAMO_ variable, from A without it: True and it is read: [True, True]",
                      "back to B: True [False, False]"]:
             assert line in proc.stdout, f"expected {line!r} in:\n{proc.stdout}{proc.stderr}"
+
+
+def test_the_fork_server_imports_the_notebooks_modules_not_those_of_its_working_directory(tmp_path):
+    """The server is a fresh interpreter started in the notebook's working directory, and ``python -c`` puts that
+    directory first on its path, ahead of the venv's editable install of course_utils (an import hook, consulted
+    after the path). It takes the notebook's path instead: a notebook run as a script from a folder holding a
+    ``course_utils`` of its own (an old checkout, say) got that folder's engine in the server (here one that ends
+    the interpreter: the server died twice and the ranks fell back to fresh interpreters)."""
+    if not _forkstart.wanted():
+        pytest.skip("the ranks start as fresh interpreters here (COURSE_UTILS_START=spawn)")
+    here, elsewhere = tmp_path / "notebook", tmp_path / "cwd"
+    (elsewhere / "course_utils").mkdir(parents=True)
+    here.mkdir()
+    (elsewhere / "course_utils" / "__init__.py").write_text("raise SystemExit('the cwd\\'s course_utils')\n")
+    (here / "notebook.py").write_text(textwrap.dedent("""
+        import course_utils
+        from course_utils import Cluster
+        from course_utils.engine import _forkstart
+        print("the notebook's course_utils:", course_utils.__file__)
+        with Cluster(world_size=1, backend="gloo") as c:
+            print("forked by the server:", c.run("import os\\nos.getppid()") == [_forkstart._state["ctx"].pid])
+    """))
+    env = {k: v for k, v in CHILD_ENV.items() if k != "PYTHONPATH"}   # course_utils from the venv, as a learner's
+    proc = subprocess.run([sys.executable, str(here / "notebook.py")], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=elsewhere, start_new_session=True)
+    if "No module named 'course_utils'" in proc.stderr and not in_ci():
+        pytest.skip("course_utils is not installed in this venv (make installs it, editable)")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"the notebook's course_utils: {ROOT}" in proc.stdout, proc.stdout
+    assert "forked by the server: True" in proc.stdout, proc.stdout + proc.stderr
+    assert "fresh interpreters" not in proc.stderr and "cwd's course_utils" not in proc.stderr, proc.stderr
 
 
 def test_a_reply_left_unread_by_an_interrupted_request_is_never_taken_for_the_next_ones():

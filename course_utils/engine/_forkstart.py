@@ -116,7 +116,7 @@ def _recv(sock, timeout=None):
 def serve(fd, parent, path, preload):
     """A server's main (A's, in a fresh interpreter the notebook started): import ``preload``, then serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stop button signals the kernel's whole process group
-    sys.path[:0] = [p for p in path if p not in sys.path]
+    sys.path[:] = path  # the notebook's, not the server's own ('' first: its directory): the same modules
     for name in preload:
         try:
             __import__(name)
@@ -307,7 +307,7 @@ def _start_server():
     """Start A: a fresh interpreter with this process's path and environment; it imports PRELOAD in the background
     (the first fork request waits for that)."""
     mine, theirs = socket.socketpair()  # neither end is inherited by anything else this process starts
-    code = ("import json, sys; args = json.loads(sys.argv[1]); sys.path[:0] = args['path']; "
+    code = ("import json, sys; args = json.loads(sys.argv[1]); sys.path[:] = args['path']; "
             "from course_utils.engine._forkstart import serve; serve(**args)")
     args = {"fd": theirs.fileno(), "parent": os.getpid(), "path": sys.path, "preload": PRELOAD}
     try:
