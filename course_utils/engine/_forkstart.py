@@ -377,6 +377,20 @@ def restart(reason):
     return context()
 
 
+def start_rank(env, fds, threads):
+    """A rank forked from a server (a ForkedProcess), or None: start a fresh interpreter. A server that fails the
+    fork (it died, or cannot fork) is replaced, once per process; a second failure falls back, with a note."""
+    for _ in range(2):
+        ctx = context()
+        if ctx is None:
+            return None
+        try:
+            return ForkedProcess(ctx, env, fds, threads)
+        except Exception as exc:
+            restart(f"{type(exc).__name__}: {exc}")
+    return None
+
+
 def _later_env(env):
     return {k: v for k, v in env.items() if k.startswith(LATER_READS)}
 

@@ -14,7 +14,6 @@ import itertools
 import math
 import os
 import select
-import selectors
 import signal
 import socket
 import subprocess
@@ -29,7 +28,8 @@ from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: pu
     timeout_error)
 
 BACKENDS = ("auto", "gloo", "nccl")
-ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own
+ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own; longer while one of
+ERROR_GRACE_MAX_S = 10.0  # them is still running (its error on its way, on a loaded machine), at most this long
 RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
 REABORT_S = 0.5        # while it waits, a rank still busy is sent the abort again this often
 DEAD_TOGETHER_S = 2.0  # after a rank dies, how long the report waits at most for others that die with it;
@@ -148,14 +148,18 @@ class _Rank:
         self.feed_stream(self.streams[fd], data)
         return True
 
-    def drain_streams(self, seconds=DONE_DRAIN_S):
+    def drain_streams(self, seconds=DONE_DRAIN_S, quiet=0.0):
         """Read the stream pipes until they are empty, for at most ``seconds`` (a background thread of the
         rank may print without end). Called once the rank said it is done: whatever it wrote before that
-        (it flushes first) is in the pipes now, so no end mark is needed."""
+        (it flushes first) is in the pipes now, so no end mark is needed. For a rank that died, ``quiet``: go
+        on reading until a pipe is at EOF or has been silent that long (a child it started may still write)."""
         deadline = time.monotonic() + seconds
         for fd in self.streams:
-            while fd not in self.closed and self.read_stream(fd) and time.monotonic() < deadline:
-                pass
+            while fd not in self.closed and time.monotonic() < deadline:
+                if self.read_stream(fd):
+                    continue
+                if not quiet or fd in self.closed or not _poll_in(fd, min(quiet, deadline - time.monotonic())):
+                    break
 
     def _add_line(self, name, raw):
         text = raw.decode("utf-8", "replace").rstrip("\r").split("\r")[-1]
@@ -179,6 +183,13 @@ class _Rank:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _poll_in(fd, seconds):
+    """Whether ``fd`` has something to read (or is at EOF) within ``seconds``."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, seconds) * 1000))
 
 
 def _loopback_interface(platform, env):
@@ -226,22 +237,10 @@ def _spawn(world_size, backend, pg_timeout, group=True):
                     env["COURSE_UTILS_LISTEN_FD"] = str(listener.fileno())
                     pass_fds.append(listener.fileno())
                 try:
-                    proc = None
-                    ctx = _forkstart.context()
-                    if ctx is not None:  # forked from the server that has torch imported: a fraction of a second
-                        fds = {"stdout": out_w, "stderr": err_w, "cmd": cmd_r, "res": res_w}
-                        if r == 0 and group:
-                            fds["listen"] = listener.fileno()
-                        try:
-                            proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
-                        except Exception as exc:  # the server is gone or broken: a new one, once; then fresh
-                            # interpreters
-                            ctx = _forkstart.restart(f"{type(exc).__name__}: {exc}")
-                            if ctx is not None:
-                                try:
-                                    proc = _forkstart.ForkedProcess(ctx, env, fds, threads)
-                                except Exception as again:
-                                    _forkstart.restart(f"{type(again).__name__}: {again}")
+                    fds = {"stdout": out_w, "stderr": err_w, "cmd": cmd_r, "res": res_w}
+                    if r == 0 and group:
+                        fds["listen"] = listener.fileno()
+                    proc = _forkstart.start_rank(env, fds, threads)  # a fraction of a second; None: no server
                     if proc is None:
                         proc = subprocess.Popen(
                             [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
@@ -640,23 +639,7 @@ class Cluster:
             return
         rk.dead = True
         self._forget_selector()
-        deadline = time.monotonic() + DRAIN_S
-        for fd, name in rk.streams.items():  # what it printed before it died is kept
-            sel = selectors.DefaultSelector()
-            try:
-                sel.register(fd, selectors.EVENT_READ)
-                while time.monotonic() < deadline and sel.select(0.2):
-                    try:
-                        data = os.read(fd, 1 << 20)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        break
-                    if not data:
-                        break
-                    rk.feed_stream(name, data)
-            finally:
-                sel.close()
+        rk.drain_streams(DRAIN_S, quiet=0.2)  # what it printed before it died is kept
         rk.flush_partial()
 
     def _take_messages(self):
@@ -768,7 +751,7 @@ class Cluster:
                 if self._interrupted:
                     raise KeyboardInterrupt
                 t0 = time.monotonic()
-                deadline, first_error, ranks = t0 + timeout, None, self._ranks
+                deadline, first_error, ranks, waiting = t0 + timeout, None, self._ranks, 0
                 while True:  # the hot loop of every cell: written out, not through _pump_until
                     if first_error is None and len(results) and not all(ok for ok, _ in results.values()):
                         first_error = time.monotonic()
@@ -777,7 +760,12 @@ class Cluster:
                         break
                     now = time.monotonic()
                     if first_error is not None and now - first_error > ERROR_GRACE_S:
-                        break
+                        # the report says which ranks raised after the first and which were still running: those
+                        # left are asleep (waiting), seen twice in a row, not on their way to an error of their own
+                        # (under load one took over 2 s: lesson 00's report named it "was running" once in CI)
+                        waiting = waiting + 1 if all(_waiting(rk.proc.pid) for rk in pending) else 0
+                        if waiting >= BLOCKED_SAMPLES or now - first_error > ERROR_GRACE_MAX_S:
+                            break
                     if now >= deadline:
                         raise self._report("timeout", run_id, only_rank, timeout=timeout)
                     if self._interrupted:
@@ -977,6 +965,11 @@ def _blocked(pid):
     cannot tell."""
     states = _task_states(pid)
     return bool(states) and all(state in ("S", "T", "t") for state in states)
+
+
+def _waiting(pid):
+    """``_blocked``, or True where /proc cannot tell (the grace after a rank's error is then ERROR_GRACE_S)."""
+    return _task_states(pid) is None or _blocked(pid)
 
 
 def _undecodable_info(error):
