@@ -427,7 +427,7 @@ def collective_scratch_bytes(collective, tries=3):
     """
     import torch.distributed as dist
     collective()
-    rise = None
+    rise = 0
     for _ in range(tries):
         dist.barrier()
         try:
@@ -440,7 +440,7 @@ def collective_scratch_bytes(collective, tries=3):
             return None
         dist.barrier()
         collective()
-        rise = max(rise or 0, _proc_status("VmHWM") - before)
+        rise = max(rise, _proc_status("VmHWM") - before)
     return rise
 
 

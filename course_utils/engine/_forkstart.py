@@ -31,6 +31,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 # torch.distributed.nn before any rank has a process group: imported later (by torch._dynamo, which the
 # first optimizer or DDP imports), its `group=group.WORLD` default arguments capture the live group and keep
@@ -79,8 +80,6 @@ def _send(sock, obj, fds=()):
 
 def _recv_exactly(sock, n, deadline, fds):
     """``n`` bytes (and the fds that came with them, appended to ``fds``); None on EOF. Raises TimeoutError."""
-    import time
-
     buf = b""
     while len(buf) < n:
         if deadline is not None:
@@ -99,8 +98,6 @@ def _recv_exactly(sock, n, deadline, fds):
 
 def _recv(sock, timeout=None):
     """(message, fds), or (None, []) once the other end is closed."""
-    import time
-
     deadline = None if timeout is None else time.monotonic() + timeout
     fds = []
     header = _recv_exactly(sock, _HEADER.size, deadline, fds)
@@ -113,10 +110,10 @@ def _recv(sock, timeout=None):
 
 
 # -- in a server ---------------------------------------------------------------------------------------------------
-def serve(fd, parent, path, preload):
-    """A server's main (A's, in a fresh interpreter the notebook started): import ``preload``, then serve."""
+def serve(fd, parent, preload):
+    """A server's main (A's, in a fresh interpreter the notebook started, on the notebook's sys.path): import
+    ``preload``, then serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stop button signals the kernel's whole process group
-    sys.path[:] = path  # the notebook's, not the server's own ('' first: its directory): the same modules
     for name in preload:
         try:
             __import__(name)
@@ -223,7 +220,6 @@ class _Server:
 def _serve_b(sock, env, later):
     """Server B, forked by A: import ``later`` with the notebook's environment of the moment, say so, then serve."""
     import gc
-    import time
 
     os.environ.clear()
     os.environ.update(env)
@@ -260,8 +256,6 @@ class Server:
     def ask(self, message, fds=(), timeout=REPLY_S):
         """Send a request, return (its reply, the fds that came with it). A reply to an earlier request that was
         never read (a stop landed between the two) is dropped, its fds closed: every request has its own id."""
-        import time
-
         message = dict(message, id=next(_REQUESTS))
         deadline = time.monotonic() + timeout
         _send(self.sock, message, fds)
@@ -307,7 +301,9 @@ def _start_server():
     """Start A: a fresh interpreter with this process's path and environment; it imports PRELOAD in the background
     (the first fork request waits for that)."""
     mine, theirs = socket.socketpair()  # neither end is inherited by anything else this process starts
-    code = ("import json, sys; args = json.loads(sys.argv[1]); sys.path[:] = args['path']; "
+    # the notebook's sys.path, whole: python -c puts its working directory first, ahead of the venv's editable
+    # course_utils (an import hook), so the server could import another checkout's engine than the notebook's
+    code = ("import json, sys; args = json.loads(sys.argv[1]); sys.path[:] = args.pop('path'); "
             "from course_utils.engine._forkstart import serve; serve(**args)")
     args = {"fd": theirs.fileno(), "parent": os.getpid(), "path": sys.path, "preload": PRELOAD}
     try:
@@ -540,8 +536,6 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout=None):
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             left = None if deadline is None else deadline - time.monotonic()

@@ -158,7 +158,8 @@ class _Rank:
             while fd not in self.closed and time.monotonic() < deadline:
                 if self.read_stream(fd):
                     continue
-                if not quiet or fd in self.closed or not _poll_in(fd, min(quiet, deadline - time.monotonic())):
+                if not quiet or fd in self.closed or not _forkstart._readable(
+                        [fd], min(quiet, deadline - time.monotonic())):
                     break
 
     def _add_line(self, name, raw):
@@ -183,13 +184,6 @@ class _Rank:
                 os.close(fd)
             except OSError:
                 pass
-
-
-def _poll_in(fd, seconds):
-    """Whether ``fd`` has something to read (or is at EOF) within ``seconds``."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(max(0.0, seconds) * 1000))
 
 
 def _loopback_interface(platform, env):
@@ -763,7 +757,8 @@ class Cluster:
                         # the report says which ranks raised after the first and which were still running: those
                         # left are asleep (waiting), seen twice in a row, not on their way to an error of their own
                         # (under load one took over 2 s: lesson 00's report named it "was running" once in CI)
-                        waiting = waiting + 1 if all(_waiting(rk.proc.pid) for rk in pending) else 0
+                        # (no /proc to tell: the grace is ERROR_GRACE_S, as before)
+                        waiting = waiting + 1 if all(_blocked(rk.proc.pid, unknown=True) for rk in pending) else 0
                         if waiting >= BLOCKED_SAMPLES or now - first_error > ERROR_GRACE_MAX_S:
                             break
                     if now >= deadline:
@@ -958,18 +953,15 @@ def _exited(pid):
     return states is not None and all(state in ("Z", "X") for state in states)
 
 
-def _blocked(pid):
+def _blocked(pid, unknown=False):
     """Every thread of ``pid`` asleep (waiting on a peer, a pipe, a timer) or stopped: none is running or
     waiting for a core, as a rank that is about to exit is. A zombie thread (Z, X) is a process on its way
-    out, not a rank waiting (_exited tells those apart). False once the process is gone, or where /proc
-    cannot tell."""
+    out, not a rank waiting (_exited tells those apart). False once the process is gone; ``unknown`` where
+    /proc cannot tell."""
     states = _task_states(pid)
+    if states is None:
+        return unknown
     return bool(states) and all(state in ("S", "T", "t") for state in states)
-
-
-def _waiting(pid):
-    """``_blocked``, or True where /proc cannot tell (the grace after a rank's error is then ERROR_GRACE_S)."""
-    return _task_states(pid) is None or _blocked(pid)
 
 
 def _undecodable_info(error):
