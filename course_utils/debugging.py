@@ -151,6 +151,8 @@ class Job:
                 seq, op, shape, dtype = m.groups()
                 tensor = f", tensor {shape} {dtype}" if shape is not None else ""
                 shown.append(f"rank {r}: DETAIL: mismatch; this rank runs {op} #{seq}{tensor}")
+            elif barrier_error(words):
+                shown.append(f"rank {r}: DETAIL: {barrier_error(words)}")
             else:
                 shown.append(words)
         return "\n".join(shown)
@@ -182,6 +184,28 @@ def gloo_error(line):
     if _TIMED_OUT.search(line) or any(p in line for p in _PEER_GONE):
         return ("a collective failed: it timed out, or the peer that timed out first (or died) closed the "
                 "connection")
+    return None
+
+
+_BARRIER_WAITED = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+_BARRIER_MET = re.compile(r"Monitored Barrier encountered error running collective: CollectiveFingerPrint\("
+                          r"SequenceNumber=(\d+),? ?OpType=(\w+)")
+
+
+def barrier_error(line):
+    """The class of a failure of DETAIL's monitored barrier in a rank's last line, or ``None``. Before every
+    collective, DETAIL's wrapper runs a monitored barrier in which rank 0 receives from every other rank. When a
+    rank has died, rank 0 says one of two things, by the machine's timing: if it was already waiting for that rank,
+    the barrier names it ("Ranks 1 failed to pass monitoredBarrier in 60000 ms"); if the rank was gone before rank 0
+    got there, rank 0's receive meets the closed connection at once and the wrapper names the collective rank 0 was
+    about to run instead ("Monitored Barrier encountered error running collective: CollectiveFingerPrint(
+    SequenceNumber=4, OpType=ALLREDUCE, ...). Error: ... Connection closed by peer"). Both are put in one class,
+    as ``gloo_error`` does for gloo's two words."""
+    if line is None:
+        return None
+    if _BARRIER_WAITED.search(line) or _BARRIER_MET.search(line):
+        return ("the monitored barrier before the next collective failed: a rank never arrived (named if rank 0 "
+                "was already waiting for it; a closed connection if it was gone first)")
     return None
 
 
