@@ -151,8 +151,8 @@ class Job:
                 seq, op, shape, dtype = m.groups()
                 tensor = f", tensor {shape} {dtype}" if shape is not None else ""
                 shown.append(f"rank {r}: DETAIL: mismatch; this rank runs {op} #{seq}{tensor}")
-            elif barrier_error(words):
-                shown.append(f"rank {r}: DETAIL: {barrier_error(words)}")
+            elif kind := barrier_error(words):
+                shown.append(f"rank {r}: DETAIL: {kind}")
             else:
                 shown.append(words)
         return "\n".join(shown)
@@ -187,9 +187,8 @@ def gloo_error(line):
     return None
 
 
-_BARRIER_WAITED = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
-_BARRIER_MET = re.compile(r"Monitored Barrier encountered error running collective: CollectiveFingerPrint\("
-                          r"SequenceNumber=(\d+),? ?OpType=(\w+)")
+_BARRIER_FAILED = re.compile(r"Ranks? [\d, ]+ failed to pass monitoredBarrier"
+                             r"|Monitored Barrier encountered error running collective")
 
 
 def barrier_error(line):
@@ -203,7 +202,7 @@ def barrier_error(line):
     as ``gloo_error`` does for gloo's two words."""
     if line is None:
         return None
-    if _BARRIER_WAITED.search(line) or _BARRIER_MET.search(line):
+    if _BARRIER_FAILED.search(line):
         return ("the monitored barrier before the next collective failed: a rank never arrived (named if rank 0 "
                 "was already waiting for it; a closed connection if it was gone first)")
     return None

@@ -274,7 +274,6 @@ def test_a_dead_rank_is_named_whichever_failure_torchrun_saw_first(failures):
     assert hang.died() == [] and "the ranks' own errors" in hang.exit_summary()
 
 
-
 # rank 0's last line in the DETAIL job of the dead rank, both ways seen on this machine (cleaned as run_job keeps it):
 # it was already waiting in the monitored barrier when rank 1 died, or rank 1 was gone before it got there
 _WAITED = "rank 0: RuntimeError: [Rank 0]: Ranks 1 failed to pass monitoredBarrier in 60000 ms"
