@@ -7,12 +7,11 @@ Call them INSIDE a ``%%ddp`` cell: every rank runs the same checks, and every ra
 ``compare_with_one_process`` is also what tests/test_micro_fsdp.py uses to prove the reference: it
 trains a wrapper and one process side by side and returns the first difference, in words.
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_utils.checks.micro_ddp import _agree, _raised, _verdict
 from course_utils.fsdp import original_name
@@ -100,28 +99,92 @@ OPTIMIZERS = {
 }
 
 
-@contextlib.contextmanager
-def _spy(names, log):
-    """Append the name of each ``dist.<name>`` call to ``log`` while the block runs."""
-    import torch.distributed.distributed_c10d as c10d
+class CollectiveLog(TorchDispatchMode):
+    """Every collective that reaches a process group while the block runs, however the code called it.
 
-    saved = {n: getattr(dist, n) for n in names}
+    ``dist.all_reduce``, ``distributed_c10d``'s functions, a ``ProcessGroup``'s own methods (``group.allreduce``)
+    and ``async_op=True`` all reach the process group through one dispatcher op of the ``c10d`` namespace
+    (``c10d.allreduce_``, ``c10d._reduce_scatter_base_``, ``c10d.reduce_scatter_``, ...), and
+    ``torch.distributed._functional_collectives`` through one of ``_c10d_functional``: a dispatch mode sees them
+    all (checked in torch 2.13 by tests/test_checker_micro_fsdp.py, one test per route). A spy on ``dist.*`` would
+    miss the last two routes. ``self.calls``: ``(kind, op, input numel)`` in call order, kind one of
+    "all-reduce", "reduce-scatter", "all-gather", or the op's own name.
+    """
 
-    def wrap(n, fn):
-        def spy(*args, **kwargs):
-            log.append(n)
-            return fn(*args, **kwargs)
-        return spy
+    def __init__(self):
+        super().__init__()
+        self.calls = []
 
-    for n, fn in saved.items():
-        setattr(dist, n, wrap(n, fn))
-        setattr(c10d, n, getattr(dist, n))
-    try:
-        yield log
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
-            setattr(c10d, n, fn)
+    @staticmethod
+    def kind(op_name):
+        name = op_name.split("::")[-1]
+        if "reduce_scatter" in name:
+            return "reduce-scatter"
+        if "allreduce" in name or "all_reduce" in name:
+            return "all-reduce"
+        if "allgather" in name or "all_gather" in name:
+            return "all-gather"
+        return name.rstrip("_")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in ("c10d", "_c10d_functional") and func.__name__.split(".")[0] not in (
+                "wait_tensor", "_wrap_tensor_autograd"):
+            schema = func._schema
+            numel = None
+            for i, arg in enumerate(schema.arguments):
+                if arg.name in ("input", "input_tensor", "input_tensors", "inputs", "input_list", "tensors"):
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    numel = sum(t.numel() for t in _tensors(value))
+                    break
+            self.calls.append((self.kind(schema.name), schema.name, numel))
+        return func(*args, **kwargs)
+
+    def count(self, kind):
+        return sum(1 for k, _, _ in self.calls if k == kind)
+
+
+def _tensors(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _collective_problem(model, log, case):
+    """None if backward reduce-scattered each trainable unit's gradient once and all-reduced nothing, else why
+    not, in words (``log``: the CollectiveLog of one backward)."""
+    units = getattr(model, "units", None)
+    if units is None:
+        return None
+    trainable = [u for u in units if any(f.requires_grad for f in u.flats)]
+    all_reduces = [op for k, op, _ in log.calls if k == "all-reduce"]
+    if all_reduces:
+        route = (" (a functional all-reduce: torch.distributed._functional_collectives reaches the same process "
+                 "group)" if any(op.startswith("_c10d_functional") for op in all_reduces) else "")
+        return (f"{case}: your wrapper all-reduces the gradients{route}, seen at the process group: "
+                f"{len(all_reduces)} all-reduce(s) in one backward. That is numerically right, but every rank then "
+                "holds the whole averaged gradient (twice the gradient memory of a shard: full gradient plus its "
+                "reduced copy). Reduce-scatter it (dist.reduce_scatter_tensor), so each rank receives only the "
+                "average of its own shard.")
+    full_sizes = {f.padded for u in trainable for f in u.flats if f.requires_grad}
+    shard_sizes = {f.shard.numel() for u in units for f in u.flats}
+    gathered = [n for k, _, n in log.calls if k == "all-gather" and n in full_sizes and n not in shard_sizes]
+    if gathered:
+        return (f"{case}: in backward your wrapper all-gathers every rank's full gradient ({gathered[0]} numbers "
+                "from each rank: a unit's whole padded gradient, not a shard) and sums the copies. That is "
+                "numerically right, but every rank receives W full gradients (W times the gradient memory) and "
+                "sends W - 1 times the bytes of a reduce-scatter. Reduce-scatter the flat gradient instead "
+                "(dist.reduce_scatter_tensor): the sum arrives already cut, each rank only its shard's part.")
+    scattered = log.count("reduce-scatter")
+    if scattered != len(trainable):
+        return (f"{case}: one backward ran {scattered} reduce-scatter(s) for {len(trainable)} units with trainable "
+                "parameters (seen at the process group; other collectives: "
+                f"{', '.join(k for k, _, _ in log.calls if k != 'reduce-scatter') or 'none'}). Each unit's "
+                "gradients leave in post_backward by ONE reduce-scatter of the unit's flat gradient "
+                "(flat.flat_grad(), divided by W), so that each rank receives only its shard's part.")
+    return None
 
 
 def _full_grads(wrapper):
@@ -248,7 +311,7 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
         ys = [torch.randint(vocab, (micro_batch_size, 5), generator=g).to(device) for _ in range(ws * accum_steps)]
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
-        log = []
+        logs = []
         try:
             for k in range(accum_steps):
                 i = rank * accum_steps + k
@@ -259,8 +322,9 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
                         problem = (f"{case}: after forward, before backward, {held} bytes of gathered block weights "
                                    "are still held. Free a unit's gathered parameters as soon as its forward has run "
                                    "(only the root may keep its copy): that is what makes memory 1/W.")
-                with _spy(["all_reduce"], log):
+                with CollectiveLog() as log:                     # every route to the process group
                     F.cross_entropy(out.float().flatten(0, 1), ys[i].flatten()).div(accum_steps).backward()
+                logs.append(log)
         except Exception as exc:  # noqa: BLE001
             problem = f"{case}, step {step}: " + _raised("a forward/backward through your wrapper", exc)
             if "storage" in str(exc):
@@ -271,11 +335,8 @@ def compare_with_one_process(make, build=make_odd, steps=3, optimizer="sgd", com
         problem = _agree(problem)
         if problem:
             return problem
-        if "all_reduce" in log:
-            problem = (f"{case}: your wrapper all-reduces the gradients. That is numerically right, but every rank "
-                       "then holds the whole averaged gradient (twice the gradient memory of a shard: full gradient "
-                       "plus its reduced copy). Reduce-scatter it (dist.reduce_scatter_single), so each rank "
-                       "receives only the average of its own shard.")
+        for log in logs:
+            problem = problem or _collective_problem(model, log, case)
         for p in shards:
             if problem is None and p.requires_grad and p.grad is not None and (
                     p.grad.shape != p.shape or p.grad.dtype != torch.float32):
@@ -366,6 +427,6 @@ def check_micro_fsdp(make):
 
         print(f"check_micro_fsdp: the full parameters equal one process's within 1e-6 after every step, on "
               f"{dist.get_world_size()} ranks (SGD, AdamW, 2 accumulated micro-batches; uneven sizes, a frozen bias, "
-              "tied weights); freed after forward; gradients reduce-scattered."
+              "tied weights); freed after forward; one reduce-scatter per unit in every backward, no all-reduce."
               + (" That was the course's solution (course_utils.fsdp.MicroFSDP, USE_SOLUTION = True): set "
                  "USE_SOLUTION = False to check yours." if make is MicroFSDP else ""))
