@@ -34,8 +34,9 @@ SQUARE = "t = torch.tensor([float(rank ** 2)])\n    "
 
 WRONG = {
     # the case: a correct all-reduce, then a number typed in beside it
-    "return 5.0 after a correct all-reduce": (SQUARE + "dist.all_reduce(t)\n    return 5.0",
-                                              "returned 5, but its all-reduce gave 14 on every rank: return the tensor"),
+    "return 5.0 after a correct all-reduce": (
+        SQUARE + "dist.all_reduce(t)\n    return 5.0",
+        "returned 5, but its all-reduce gave 14 on every rank: return the tensor"),
     "no all-reduce": ("return torch.tensor([float(rank ** 2)])", "called no all-reduce on some rank: each rank knows"),
     "all-gather instead": ("out = [torch.zeros(1) for _ in range(world_size)]\n"
                            "    dist.all_gather(out, torch.tensor([float(rank ** 2)]))\n    return sum(out)",
@@ -84,7 +85,8 @@ RIGHT = {
     "the process group's allreduce": ("", SQUARE + "dist.group.WORLD.allreduce([t]).wait()\n    return t"),
     "functional collectives": ("import torch.distributed._functional_collectives as funcol",
                                SQUARE + "return funcol.all_reduce(t, 'sum', dist.group.WORLD)"),
-    "async_op=True then wait()": ("", SQUARE + "work = dist.all_reduce(t, async_op=True)\n    work.wait()\n    return t"),
+    "async_op=True then wait()": ("", SQUARE + "work = dist.all_reduce(t, async_op=True)\n    work.wait()\n"
+                                      "    return t"),
     "ReduceOp.SUM on a 0-d tensor, returned as a number": (
         "", "t = torch.tensor(float(rank) ** 2)\n    dist.all_reduce(t, op=dist.ReduceOp.SUM)\n    return t.item()"),
     "an int tensor": ("", "t = torch.tensor([rank * rank])\n    dist.all_reduce(t)\n    return t"),
