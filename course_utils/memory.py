@@ -388,12 +388,16 @@ def peak_memory(step, *tracked):
 def ddp_bucket_bytes(model):
     """Bytes of the gradient buckets torch DDP allocated for ``model`` (0 for anything else).
 
-    Introduced in 12_zero_fsdp. DDP's reducer allocates them in C++, so no Python-side meter sees them;
-    they are read from DDP's own logging data (``bucket_sizes``). DDP allocates them when it is built (and
-    rebuilds them in the second iteration's forward), so ``peak_memory`` of a later step does not see them:
-    add them to its total. With ``gradient_as_bucket_view=True`` the
-    gradients are views into the buckets, already counted as gradients: 0 then. With the default ``False``
-    every gradient exists twice, once in ``p.grad`` and once in its bucket."""
+    Introduced in 12_zero_fsdp. Read from DDP's own logging data (``bucket_sizes``). With the default
+    ``gradient_as_bucket_view=False`` every gradient exists twice after backward, once in ``p.grad`` and once in
+    its bucket; with ``True`` the gradients are views into the buckets: 0 then.
+
+    ``peak_memory`` of a DDP step already counts the buckets: do not add this to its total. The reducer writes each
+    gradient into its bucket on the thread that runs backward (``aten.mul.out``, or ``bucket_view.copy_`` under a
+    comm hook), so ``MemTracker`` tracks each bucket's storage, once, as a temporary, from the step's first
+    gradient on (tests/test_memory.py, ``test_peak_memory_counts_ddp_s_bucket_once``, matches the storages by
+    ``data_ptr``). Before that first gradient (in forward) the buckets are alive but not yet tracked. What this is
+    for: the bucket a replica measured WITHOUT DDP never allocated, which DDP would add to it."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):

@@ -192,8 +192,8 @@ def _ddp_buckets():
     return out
 
 
-def test_ddp_bucket_bytes_counts_the_second_copy_of_the_gradients(cluster4):
-    r = cluster4.run(_ddp_buckets)[0]
+def test_ddp_bucket_bytes_counts_the_second_copy_of_the_gradients(make_cluster):
+    r = make_cluster(2, timeout=180).run(_ddp_buckets)[0]   # DDP's first use imports torch._dynamo: slow
     assert r[False] == r["params"], f"DDP's default buckets copy every gradient: {r[False]} of {r['params']} bytes"
     assert r[True] == 0, "with gradient_as_bucket_view=True the gradients are the buckets: nothing extra"
     assert r["plain"] == 0, "a model without DDP has no buckets"
@@ -252,3 +252,77 @@ def test_peak_memory_with_accumulation_and_checkpointing():
     plain, _ = _peak_with_accumulation(False, 4)
     checkpointed, _ = _peak_with_accumulation(True, 4)
     assert checkpointed["activations"] < plain["activations"], (plain, checkpointed)
+
+
+# -- DDP's bucket: the meter sees it, so nothing may add it again (lessons 12 and 13) ---------------------------
+def _bucket_in_the_tracker(with_hook):
+    """A DDP step measured by peak_memory, with the tracker it used kept (course_utils.memory._step_peak_tracker
+    wrapped): each bucket's storage, found by data_ptr (recorded by a comm hook from bucket.buffer(); without a hook,
+    which torch 2.13 does not expose, the tracked temporaries that outlive the step), and how the tracker counted it."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import course_utils.memory as memory
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), bucket_cap_mb=0.02)   # 16.6 KB a layer
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    buckets = {}
+
+    def recording_hook(state, bucket):
+        buf = bucket.buffer()
+        buckets[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
+        return allreduce_hook(state, bucket)
+
+    if with_hook:
+        model.register_comm_hook(dist.group.WORLD, recording_hook)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def step():
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    step()
+    step()                                          # DDP's buckets are rebuilt in the second iteration
+    buckets.clear()
+    trackers = []
+    original = memory._step_peak_tracker
+
+    def keep():
+        trackers.append(original())
+        return trackers[-1]
+
+    memory._step_peak_tracker = keep
+    try:
+        peak = memory.peak_memory(step, model, optimizer)
+    finally:
+        memory._step_peak_tracker = original
+    tracked = {}
+    for storage, (winfo, _) in trackers[0]._WINFO.items():     # the storages still alive after the step
+        tracked.setdefault(storage.data_ptr(), []).append((winfo.reftype.value, winfo.mem_consumed))
+    if not with_hook:                               # no hook: the temporaries that outlive the step, by size
+        buckets = {p: kinds[0][1] for p, kinds in tracked.items() if kinds[0][0] == "Temp"}
+    state = sum(t.numel() * t.element_size() for t in model.parameters()) * 4   # fp32 AdamW: 16 B/param
+    return {"buckets": buckets, "tracked": {p: tracked.get(p, []) for p in buckets}, "peak": peak, "state": state,
+            "bucket_bytes": memory.ddp_bucket_bytes(model)}
+
+
+def test_peak_memory_counts_ddp_s_bucket_once(make_cluster):
+    """The reducer writes each gradient into its bucket through aten.mul.out (bucket_view.copy_ under a comm hook)
+    on the thread that runs backward, so MemTracker tracks each bucket's storage: one storage entry per bucket,
+    its full size, a temporary. Adding ddp_bucket_bytes to the peak would count it twice (lessons 12 and 13 did)."""
+    for with_hook in (True, False):
+        r = make_cluster(2, timeout=180).run(_bucket_in_the_tracker, with_hook)[0]   # DDP imports dynamo: slow
+        assert len(r["buckets"]) >= 2, f"several buckets expected: {r['buckets']}"
+        # DDP's logging data keeps the sizes of its first buckets (before the rebuild): the bytes agree
+        assert sum(r["buckets"].values()) == r["bucket_bytes"], (r["buckets"], r["bucket_bytes"])
+        for ptr, nbytes in r["buckets"].items():
+            assert r["tracked"][ptr] == [("Temp", nbytes)], (
+                f"hook={with_hook}: bucket storage {ptr:#x} ({nbytes} bytes) is tracked as {r['tracked'][ptr]}: "
+                "expected once, as a temporary of its full size")
+        # the whole step's peak holds the model state and the buckets (backward's last gradient is in its bucket)
+        assert r["peak"]["total"] >= r["state"] + r["bucket_bytes"], r
+        assert r["peak"]["temporaries"] >= r["bucket_bytes"], r
