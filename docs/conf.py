@@ -8,11 +8,15 @@ lesson's ``NN_topic.ipynb``) resolves as it does on a code host. Only README.md,
 notebooks/NN_*.ipynb are read; the notebooks are never executed (``nb_execution_mode = "off"``): a page shows
 what nbval checks.
 
-Three things change on the way into the page, at build time (``source-read``), never in the files:
+Four things change on the way into the page, at build time (``source-read``), never in the files:
 - each lesson gets its launch links after its title: Open in Colab, Open in Kaggle (both from the repository
   URL, ``[project.urls] Repository`` in pyproject.toml, the one setting), Download .ipynb, and the README's
   Kaggle/Colab first cell that installs the course's package;
 - a widget output (10's cost-model sliders) needs a running kernel: the page says so instead of an empty box;
+- every cell tagged ``reveal`` (the answer to a prediction, right after its run: CONTRIBUTING.md, "The learner does
+  the work") is folded, so a reader opens it on purpose: a code cell gets myst-nb's ``hide-cell`` tag (source and
+  outputs in one ``<details>``), a markdown cell, which myst-nb renders without reading its tags, goes inside the
+  ``course-reveal`` directive below (the same ``<details>``, myst-nb's own node and style);
 - README.md gets the site's hidden table of contents (the sidebar), and its first cell for Colab/Kaggle is
   shown as plain text (a ``!pip`` line is neither Python nor, with its comment, shell).
 tests/test_site.py builds the site into a temporary folder and checks the pages; .github/workflows/pages.yml
@@ -23,6 +27,9 @@ import re
 import shutil
 from pathlib import Path
 from urllib.parse import quote
+
+from docutils import nodes
+from docutils.parsers.rst import Directive
 
 try:
     import tomllib
@@ -35,6 +42,8 @@ REPOSITORY = PYPROJECT["project"]["urls"]["Repository"].rstrip("/")
 BRANCH = "main"  # the branch the launch links open (the one .github/workflows/pages.yml publishes from)
 LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+REVEAL = "reveal"                            # the tag of a cell that answers a prediction
+SHOW, HIDE = "Show the answer", "Hide the answer"   # the fold's summary, closed and open (tests/test_site.py)
 
 project = "Micro-DDP"
 author = "the Micro-DDP course"
@@ -117,9 +126,42 @@ def widget_note(output):
             + (f" ({what.group(1)})" if what else "") + ", which only a running kernel can draw.*")
 
 
+def fold_reveal(cell):
+    """A ``reveal`` cell, folded on the page: myst-nb's hide-cell for code, the course-reveal directive for markdown."""
+    if cell["cell_type"] == "code":
+        cell["metadata"]["tags"] = [*cell["metadata"]["tags"], "hide-cell"]
+        cell["metadata"]["mystnb"] = {**cell["metadata"].get("mystnb", {}), "code_prompt_show": SHOW,
+                                      "code_prompt_hide": HIDE}
+    elif cell["cell_type"] == "markdown":
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", source)), default=0))
+        # the directive takes no option: MyST reads no options block, and a first line starting with ":" stays text
+        cell["source"] = f"{fence}{{course-reveal}}\n{source}\n{fence}\n"
+
+
+class RevealDirective(Directive):
+    """The folded box of a markdown ``reveal`` cell: myst-nb's ``<details>`` of a hide-cell code cell (its node, so
+    its style and its "Show the answer" summary), around the cell's markdown. A heading cannot sit inside it
+    (tests/test_predictions.py keeps headings out of reveal cells)."""
+
+    has_content = True
+
+    def run(self):
+        from myst_nb.sphinx_ import HideCodeCellNode
+
+        fold = HideCodeCellNode(prompt_show=SHOW, prompt_hide=HIDE)
+        fold["classes"] += ["above-input", "reveal-markdown"]
+        self.state.nested_parse(self.content, self.content_offset, fold)
+        box = nodes.container(classes=["cell", f"tag_{REVEAL}"])  # myst-nb's style for div.cell details.hide
+        box += fold
+        return [box]
+
+
 def transform_lesson(name, text):
     nb = json.loads(text)
     for cell in nb["cells"]:
+        if REVEAL in cell.get("metadata", {}).get("tags", []):
+            fold_reveal(cell)
         for output in cell.get("outputs", []):
             if WIDGET_VIEW in output.get("data", {}):
                 output["data"] = {"text/markdown": widget_note(output)}
@@ -154,6 +196,7 @@ def on_build_finished(app, exception):
 
 
 def setup(app):
+    app.add_directive("course-reveal", RevealDirective)
     app.connect("source-read", on_source_read)
     app.connect("build-finished", on_build_finished)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -4,7 +4,10 @@
 
 notebooks/ holds the lessons with their stored outputs, which nbval (`make test`) compares against; the
 learner works in my-notebooks/ (git-ignored), where no stored output answers a "Predict first" question and
-saving a lesson leaves `git status` clean. Each run copies the lessons that my-notebooks/ lacks (a lesson
+saving a lesson leaves `git status` clean. Every cell tagged ``reveal`` (the answer to a prediction, right after its
+run: CONTRIBUTING.md, "The learner does the work") arrives collapsed (``metadata.jupyter.source_hidden``, and
+``outputs_hidden`` for a code cell): the learner opens it on purpose, after running the cell above it.
+Each run copies the lessons that my-notebooks/ lacks (a lesson
 added to the course later arrives on the next `make lab`) and keeps every file already there, edited or not.
 A fresh copy of one lesson: delete (or rename) it in my-notebooks/ and run `make lab` again; of all of them:
 move my-notebooks/ away. my-notebooks/ sits beside notebooks/, so the lessons' relative links
@@ -31,8 +34,28 @@ def cleared(nb):
     return nb
 
 
+REVEAL = "reveal"  # the tag of a cell that answers a prediction (tests/test_predictions.py holds where they sit)
+
+
+def collapsed(nb):
+    """``nb`` with every cell tagged ``reveal`` collapsed in JupyterLab: its source hidden and, for a code cell, its
+    outputs too (a click on the cell's collapser opens it). tests/test_learner_copy.py holds it."""
+    for cell in nb.cells:
+        if REVEAL in cell.metadata.get("tags", []):
+            jupyter = cell.metadata.setdefault("jupyter", {})
+            jupyter["source_hidden"] = True
+            if cell.cell_type == "code":
+                jupyter["outputs_hidden"] = True
+    return nb
+
+
+def learner_version(nb):
+    """What the learner's copy holds of ``nb``: outputs cleared, reveal cells collapsed."""
+    return collapsed(cleared(nb))
+
+
 def sync(src: Path, dest: Path):
-    """Copy each lesson of ``src`` that ``dest`` lacks, outputs cleared; returns (added, kept) file names."""
+    """Copy each lesson of ``src`` that ``dest`` lacks (``learner_version``); returns (added, kept) file names."""
     lessons = sorted(src.glob(LESSON_GLOB))
     if not lessons:
         raise SystemExit(f"{src} holds no lesson ({LESSON_GLOB}): run this from the course's repository")
@@ -43,7 +66,7 @@ def sync(src: Path, dest: Path):
         if target.exists():
             kept.append(lesson.name)
             continue
-        nb = cleared(nbformat.read(lesson, as_version=4))
+        nb = learner_version(nbformat.read(lesson, as_version=4))
         partial = target.with_name(f".{target.name}.partial")  # never a half-written lesson under its own name
         nbformat.write(nb, partial)
         partial.replace(target)

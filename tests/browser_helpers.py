@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -304,3 +305,62 @@ def wait_for(predicate, timeout, what, every=0.25):
             return
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
+
+
+# ---- a probe site: one lesson with reveal cells, built with docs/conf.py ---------------------------------------
+
+PROBE_LESSON = "99_probe.ipynb"
+PROBE_SECRET_MD = "The markdown answer: every rank holds 46."  # inside the markdown reveal cell only
+PROBE_SECRET_CODE = "probe_code_answer = 46"                    # inside the code reveal cell only
+PROBE_SECRET_OUTPUT = "the stored output of the code reveal cell"
+PROBE_OPEN = "Predict first: what does every rank hold?"        # an ordinary cell, shown open
+PROBE_CONF = """
+__file__ = {conf!r}             # docs/conf.py finds the repository from its own path
+exec(compile(open({conf!r}).read(), {conf!r}, "exec"))
+ROOT = Path({src!r})            # the probe's folder in place of the repository: one lesson, a README
+LESSONS = [{lesson!r}]
+include_patterns = ["README.md", "CONTRIBUTING.md", "notebooks/[0-9][0-9]_*.ipynb"]
+exclude_patterns = []
+html_theme_options = {{**html_theme_options, "repository_url": "https://github.com/example/probe"}}
+"""
+
+
+def probe_lesson():
+    """A lesson holding a prediction, its run and two reveal cells (markdown with a ``:`` first line and a fenced
+    block, then code with an output), and a last ordinary cell."""
+    import nbformat.v4 as v4
+
+    cells = [v4.new_markdown_cell("# 99 · Probe\n\n**Predict**\n\n" + PROBE_OPEN),
+             v4.new_code_cell("x = 46", execution_count=1),
+             v4.new_markdown_cell(f": a first line with a colon\n\n{PROBE_SECRET_MD}\n\n```python\nx == 46\n```",
+                                  metadata={"tags": ["reveal"], "answer": ["46"]}),
+             v4.new_code_cell(PROBE_SECRET_CODE + "\nprint('" + PROBE_SECRET_OUTPUT + "')", execution_count=2,
+                              outputs=[v4.new_output("stream", text=PROBE_SECRET_OUTPUT + "\n")],
+                              metadata={"tags": ["reveal"]}),
+             v4.new_markdown_cell("After the answer: the lesson goes on.")]
+    nb = v4.new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def build_probe_site(tmp: Path):
+    """Build the probe lesson with the course's docs/conf.py (its source-read hook and directive) into ``tmp/html``,
+    warnings as errors, as `make site` builds; returns the probe lesson's page."""
+    import nbformat
+
+    root = Path(__file__).resolve().parent.parent
+    src, confdir = tmp / "src", tmp / "conf"
+    (src / "notebooks").mkdir(parents=True)
+    confdir.mkdir()
+    shutil.copytree(root / "docs" / "_static", confdir / "_static")
+    (src / "README.md").write_text("# Probe\n\n## Quick start\n\n### Kaggle (2 x T4) and Colab\n\n"
+                                   "```python\n!pip install <this repository's URL>\n```\n")
+    (src / "CONTRIBUTING.md").write_text("# Contributing\n")
+    nbformat.write(probe_lesson(), src / "notebooks" / PROBE_LESSON)
+    (confdir / "conf.py").write_text(PROBE_CONF.format(conf=str(root / "docs" / "conf.py"), src=str(src),
+                                                       lesson=PROBE_LESSON))
+    run = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-n", "-q",
+                          "-c", str(confdir), "-d", str(tmp / "doctrees"), str(src), str(tmp / "html")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"the probe site did not build:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    return tmp / "html" / "notebooks" / PROBE_LESSON.replace(".ipynb", ".html")

@@ -13,6 +13,8 @@ set, and then screenshots too (of the page after Run All and of each cell a test
 git-ignored for that: BROWSER_ARTIFACTS=test-artifacts/browser). Without it no screenshot is taken: each costs
 Chromium a render and a PNG encoding, for a file that nobody reads.
 
+A probe lesson (browser_helpers.probe_lesson: a markdown and a code cell tagged ``reveal``), built with docs/conf.py,
+shows in Chromium that the site folds an answer until the reader clicks it.
 The course's static site (`make site`) is checked in Chromium by tests/test_site.py, with the same Chromium and
 arguments (browser_helpers): there one build serves its page checks and its browser checks.
 """
@@ -22,13 +24,15 @@ import re
 import shutil
 import sys
 import time
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import learner_copy  # noqa: E402
-from browser_helpers import (CHROMIUM, JupyterLab, chromium_context, notebook_panel, open_notebook, read_cells,
+from browser_helpers import (CHROMIUM, PROBE_OPEN, PROBE_SECRET_CODE, PROBE_SECRET_MD, PROBE_SECRET_OUTPUT, JupyterLab,
+                             build_probe_site, chromium_context, notebook_panel, open_notebook, read_cells,
                              run_all_cells, save_notebook, wait_for)
 from conftest import NOTEBOOKS, ROOT, in_ci
 
@@ -281,6 +285,68 @@ def test_controls_redraw_the_cost_model_plot(lessons):
             unchanged.append(f"{description} -> {value}")
         lesson.screenshot(cell, f"widgets_after_{n}_{description.replace(' ', '_')}")
     assert not unchanged, f"10_tradeoffs: moving these controls did not redraw the plot within 30 s: {unchanged}"
+
+
+# ---- the site's folds, on a probe lesson (docs/conf.py; tests/test_site.py checks the real pages) -----------------
+
+@pytest.fixture(scope="module")
+def probe_page(tmp_path_factory):
+    """The page of browser_helpers' probe lesson (a markdown and a code reveal cell), built with docs/conf.py."""
+    return build_probe_site(tmp_path_factory.mktemp("probe-site"))
+
+
+class _Folded(HTMLParser):
+    """The text of a page, split into what sits inside a closed <details> and what does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.inside, self.outside, self.opened = 0, [], [], 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "details":
+            self.depth += 1
+            self.opened += "open" in dict(attrs)
+
+    def handle_endtag(self, tag):
+        if tag == "details":
+            self.depth -= 1
+
+    def handle_data(self, data):
+        (self.inside if self.depth else self.outside).append(data)
+
+
+def test_the_site_folds_markdown_and_code_reveal_cells(probe_page):
+    folded = _Folded()
+    folded.feed(probe_page.read_text())
+    inside, outside = "".join(folded.inside), "".join(folded.outside)
+    for secret in (PROBE_SECRET_MD, PROBE_SECRET_CODE, PROBE_SECRET_OUTPUT, ": a first line with a colon"):
+        assert secret in inside and secret not in outside, f"the probe's reveal text {secret!r} is not folded"
+    for shown in (PROBE_OPEN, "After the answer: the lesson goes on."):
+        assert shown in outside and shown not in inside, f"the probe's ordinary text {shown!r} is folded"
+    assert not folded.opened and inside.count("Show the answer") == 2, "two closed folds, each 'Show the answer'"
+
+
+def test_in_chromium_a_reveal_cell_shows_only_when_clicked(probe_page, tmp_path):
+    if not CHROMIUM.exists():
+        _missing(f"{CHROMIUM} is not installed")
+    with chromium_context(tmp_path / "chromium-profile", _missing) as context:
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+        page.goto(probe_page.as_uri(), wait_until="load")
+        assert page.get_by_text(PROBE_OPEN).is_visible(), "the probe's question is not shown"
+        markdown, code = page.get_by_text(PROBE_SECRET_MD), page.get_by_text(PROBE_SECRET_OUTPUT).last
+        assert not markdown.is_visible() and not code.is_visible(), "an answer shows before its fold is opened"
+        folds = page.locator("div.cell.tag_reveal details > summary")
+        assert folds.count() == 2, f"two folds, found {folds.count()}"
+        folds.nth(0).click()
+        markdown.wait_for(state="visible", timeout=10_000)
+        assert not code.is_visible(), "opening the first fold opened the second"
+        folds.nth(1).click()
+        code.wait_for(state="visible", timeout=10_000)
+        assert page.locator("div.cell.tag_reveal details[open]").count() == 2
+        assert not errors, errors
+        page.close()
 
 
 @pytest.mark.parametrize("ci", ["", "true"])

@@ -93,3 +93,45 @@ def test_the_script_says_what_it_did_and_refuses_an_empty_source(tmp_path):
     with pytest.raises(SystemExit, match="holds no lesson"):
         learner_copy.sync(tmp_path / "empty", dest)
     assert json.loads((dest / LESSONS[0].name).read_text())["cells"], "the copy is a notebook"
+
+
+def _probe_lesson():
+    """A lesson with a prediction: the Predict cell, its run, a markdown and a code reveal cell, and a plain cell."""
+    import nbformat.v4 as v4
+
+    cells = [v4.new_markdown_cell("# 99 · Probe\n**Predict**: what does every rank hold?"),
+             v4.new_code_cell("x = 1", outputs=[v4.new_output("stream", text="1\n")], execution_count=1),
+             v4.new_markdown_cell("Every rank holds 4.", metadata={"tags": ["reveal"], "answer": ["4"]}),
+             v4.new_code_cell("assert x == 1", outputs=[v4.new_output("stream", text="ok\n")], execution_count=2,
+                              metadata={"tags": ["reveal", "raises-exception"]}),
+             v4.new_code_cell("y = 2", metadata={"tags": ["other"]})]
+    return v4.new_notebook(cells=cells)
+
+
+def test_reveal_cells_arrive_collapsed_and_nothing_else_does(tmp_path):
+    src = tmp_path / "notebooks"
+    src.mkdir()
+    nbformat.write(_probe_lesson(), src / "99_probe.ipynb")
+    learner_copy.sync(src, tmp_path / "copy")
+    copy = nbformat.read(tmp_path / "copy" / "99_probe.ipynb", as_version=4)
+    hidden = [(i, c.metadata.get("jupyter", {})) for i, c in enumerate(copy.cells)]
+    assert hidden == [(0, {}), (1, {}), (2, {"source_hidden": True}),
+                      (3, {"source_hidden": True, "outputs_hidden": True}), (4, {})], hidden
+    assert not _outputs(copy), "the copy of a reveal cell keeps its stored output"
+    assert copy.cells[2].metadata["answer"] == ["4"], "the copy keeps the answer's key"
+    assert copy.cells[3].metadata["tags"] == ["reveal", "raises-exception"], "the copy keeps the tags"
+    nbformat.validate(copy)
+
+
+def test_every_reveal_cell_of_every_lesson_is_collapsed_in_the_copy():
+    """The lessons' own reveal cells, through the function `make lab`'s copy goes through (tests/test_predictions.py
+    checks where they sit; tests/test_solutions_hidden.py that no solution shows)."""
+    left_open = []
+    for lesson in LESSONS:
+        copy = learner_copy.learner_version(nbformat.read(lesson, as_version=4))
+        for i, cell in enumerate(copy.cells):
+            if "reveal" in cell.metadata.get("tags", []):
+                jupyter = cell.metadata.get("jupyter", {})
+                if not jupyter.get("source_hidden") or (cell.cell_type == "code" and not jupyter.get("outputs_hidden")):
+                    left_open.append(f"{lesson.name} cell {i}")
+    assert not left_open, f"reveal cells the learner's copy shows open: {left_open}"

@@ -9,7 +9,8 @@ checks read its pages: one per lesson, each with as many output blocks and image
 links to notebooks that exist, the course's terms in the search index, no machine's path on any page. The last
 ones open the site in headless Chromium (tests/test_browser.py's set-up: Debian's /usr/bin/chromium through
 Playwright): the home page and a lesson load with no console error, the lesson shows a stored ``[rank 0]`` output
-and its plot, the search box finds a term. They live in this module so that the one build serves them too (the
+and its plot, the search box finds a term, lesson 00's first ``reveal`` cell stays folded until it is clicked.
+They live in this module so that the one build serves them too (the
 root conftest.py keeps a module on one worker).
 
 Without Sphinx (Python 3.10: Sphinx 9 needs 3.11) or Chromium the tests that need them skip, and fail under CI=true.
@@ -276,6 +277,29 @@ def test_each_lesson_has_its_launch_links(built, path):
         f"{path.name}: the page should show the Kaggle/Colab first cell that installs the course's package")
 
 
+def _reveal_cells(path):
+    return [i for i, c in enumerate(json.loads(path.read_text())["cells"])
+            if "reveal" in c.get("metadata", {}).get("tags", [])]
+
+
+# docs/conf.py folds a reveal cell: its box, then at once myst-nb's closed <details> with the answer's summary
+FOLDED = re.compile(r'<div class="cell tag_reveal[^"]*">\s*<details class="admonition hide[^"]*">\s*'
+                    r'<summary[^>]*>\s*<p class="collapsed admonition-title">Show the answer</p>')
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem[:2])
+def test_each_reveal_cell_is_folded_on_its_page(built, path):
+    """Every cell tagged reveal, markdown or code, is a closed fold a reader opens on purpose (tests/test_browser.py
+    opens one of a probe lesson in Chromium; the Chromium check below, one of lesson 00)."""
+    page = (built / "notebooks" / f"{path.stem}.html").read_text()
+    reveal = _reveal_cells(path)
+    boxes, folded = page.count('<div class="cell tag_reveal'), len(FOLDED.findall(page))
+    assert boxes == folded == len(reveal), (
+        f"{path.name}: {len(reveal)} reveal cells ({reveal}), the page has {boxes} reveal boxes, {folded} of them "
+        "folded (docs/conf.py's fold_reveal)")
+    assert "<details open" not in page, f"{path.name}: a fold opens by itself"
+
+
 def test_every_link_between_pages_resolves(built):
     """Sphinx's -n checks the references it makes; this checks every relative href and #anchor of every page."""
     broken = []
@@ -425,4 +449,20 @@ def test_in_chromium_the_search_box_finds_a_term(browser, served):
     hrefs = [results.nth(i).get_attribute("href") for i in range(results.count())]
     assert any("06_ddp_accumulation_no_sync" in h for h in hrefs), f"searching no_sync found {hrefs}"
     assert not errors, f"the search page: {errors}"
+    page.close()
+
+
+def test_in_chromium_a_lesson_hides_its_answer_until_the_reader_opens_it(browser, served):
+    """Lesson 00's first reveal cell: closed on the page, its text invisible; one click on its summary shows it."""
+    lesson = LESSONS[0]
+    reveal = _reveal_cells(lesson)
+    assert reveal, f"{lesson.name} has no cell tagged reveal: its predictions are answered after the run (issue 54)"
+    page, errors = _open(browser, f"{served}/notebooks/{lesson.stem}.html")
+    fold = page.locator("div.cell.tag_reveal details").first
+    body = fold.locator(":scope > :not(summary)").first
+    assert fold.count() and not body.is_visible(), f"{lesson.name}: the first answer shows before a click"
+    fold.locator("summary").click()
+    body.wait_for(state="visible", timeout=10_000)
+    assert fold.get_attribute("open") is not None, "the fold did not open on a click"
+    assert not errors, f"{lesson.name}: {errors}"
     page.close()
