@@ -164,10 +164,13 @@ def test_exercise_2_self_check(cluster):
         assert verdict(check_fsdp_bytes_prediction, None, measured, resharded) is None
     assert "Set prediction" in _printed(check_fsdp_bytes_prediction, None, measured, resharded)
     for wrong, words in [(resharded, "WITH resharding"), (Fraction(3, 2), "WITH resharding"),
-                         (Fraction(1, 2), "too little"), (Fraction(2), "add up each phase")]:
+                         (Fraction(1, 2), "too little"), (Fraction(2), "too much"), (Fraction(5, 4), "too much")]:
         said = verdict(check_fsdp_bytes_prediction, wrong, measured, resharded)
         assert said and words in said, (wrong, said)
+        # a wrong guess gets a reason, never the measured answer
+        assert "Measured" not in said and f"{measured} x DDP" not in said, (wrong, said)
     assert verdict(check_fsdp_bytes_prediction, Fraction(1), measured, resharded) is None
+    assert verdict(check_fsdp_bytes_prediction, 1.0, measured, resharded) is None   # typed as a float
     assert "Right" in _printed(check_fsdp_bytes_prediction, 1, measured, resharded)
 
 

@@ -187,11 +187,13 @@ def check_fsdp_bytes_prediction(prediction, measured, resharded):
         raise AssertionError(
             f"{prediction} is the traffic WITH resharding after forward (section 4: the blocks are gathered again "
             "in backward). With reshard_after_forward=False the gathered weights stay from forward to backward: "
-            f"which all-gather disappears? Measured: {measured} x DDP.")
+            "which all-gather disappears, and what is left per phase?")
     if got < want:
         raise AssertionError(
             f"{prediction} is too little: FSDP still all-gathers every parameter in forward and reduce-scatters "
-            f"every gradient in backward, (n-1)/n x S each. Measured: {measured} x DDP.")
+            "every gradient in backward, (n-1)/n x S each, and DDP's all-reduce sends 2(n-1)/n x S: add the two "
+            "and divide.")
     raise AssertionError(
-        f"measured {measured} x DDP's bytes, not {prediction}: add up each phase's collectives (forward, backward, "
-        "step) from the counts the cell printed.")
+        f"{prediction} is too much: without resharding, which collectives are left in forward, in backward and in "
+        "the step? Add up what each sends ((n-1)/n x S for an all-gather or a reduce-scatter of every parameter) "
+        "and divide by DDP's 2(n-1)/n x S.")
