@@ -1,4 +1,4 @@
-"""Lesson 00's exercise: its self-check and the course's solution (00_launcher_tour, exercise 2).
+"""Lesson 00's exercise: its self-check and the course's solution (00_launcher_tour, exercise 1).
 
 The solution is here, out of sight, so that the notebook's scaffold stays a scaffold;
 ``check_sum_of_squares(use_solution=True)`` checks it, as the stored notebook does.
@@ -122,7 +122,7 @@ def _number(values):
 
 
 def check_sum_of_squares(use_solution=False, cluster=None, timeout=30):
-    """Self-check of exercise 2: ``sum_of_squares()``, defined on the ranks by a ``%%ddp`` cell, must return
+    """Self-check of exercise 1: ``sum_of_squares()``, defined on the ranks by a ``%%ddp`` cell, must return
     0² + 1² + ... + (world_size - 1)² on every rank, computed by exactly one all-reduce (SUM) of this rank's own
     square, and the value returned must be what that all-reduce produced: a right number typed in, or computed
     beside the all-reduce, fails.

@@ -1,4 +1,4 @@
-"""course_utils.tour.check_sum_of_squares (lesson 00, exercise 2) against the learner, on 4 real gloo ranks: the
+"""course_utils.tour.check_sum_of_squares (lesson 00, exercise 1) against the learner, on 4 real gloo ranks: the
 untouched scaffold fails, each typical wrong answer fails with a reason that fits the exercise, and right answers
 written in other ways pass (three ways to name the all-reduce, the process group's own allreduce, functional
 collectives, async_op=True then wait(), an explicit ReduceOp.SUM, a Python number returned).

@@ -1,4 +1,4 @@
-"""Lesson 00, exercise 2, as the notebook wires it: the stored scaffold fails its self-check, the course's solution
+"""Lesson 00, exercise 1, as the notebook wires it: the stored scaffold fails its self-check, the course's solution
 passes, and a slow check shows a live status line. The checker's verdicts on wrong and right answers are held by
 tests/test_checker_sum_of_squares.py."""
 import pytest
@@ -10,7 +10,7 @@ from exercise_helpers import notebook_cell
 def _scaffold():
     """The %%ddp cell of the stored notebook that defines sum_of_squares, without its %%ddp line."""
     source = notebook_cell("00_launcher_tour.ipynb", "def sum_of_squares")
-    assert source.startswith("%%ddp"), "exercise 2 runs on the ranks"
+    assert source.startswith("%%ddp"), "exercise 1 runs on the ranks"
     return source.split("\n", 1)[1]
 
 
