@@ -1,7 +1,7 @@
 """check_all_reduce (03_all_reduce_by_hand) on real gloo ranks: it passes correct all-reduces,
 catches each classic mistake with a plain-words reason, and the byte counter counts exactly.
 
-    .venv/bin/python -m pytest tests/test_all_reduce_checker.py -p no:randomly
+    .venv/bin/python -m pytest tests/test_checker_all_reduce.py -p no:randomly
 """
 import sys
 
@@ -223,8 +223,90 @@ def batched_chunked_ring(tensor):
                 into.copy_(buf)
 
 
+def _ring_steps(tensor, chunks, make_buffer, exchange):
+    """The chunked ring's schedule over ``chunks``, each step's receive buffer from ``make_buffer(into)`` and its
+    transfer done by ``exchange(out, buf, right, left)``: the typical mistakes and right answers below differ
+    only there."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    left, right = (rank - 1) % n, (rank + 1) % n
+    for s in range(n - 1):
+        out, into = chunks[(rank - s) % n], chunks[(rank - s - 1) % n]
+        buf = make_buffer(into)
+        exchange(out, buf, right, left)
+        into += buf
+    for s in range(n - 1):
+        out, into = chunks[(rank + 1 - s) % n], chunks[(rank - s) % n]
+        buf = make_buffer(into)
+        exchange(out, buf, right, left)
+        into.copy_(buf)
+
+
+def _isend_recv(out, buf, right, left):
+    req = dist.isend(out, right)
+    dist.recv(buf, left)
+    req.wait()
+
+
+def ring_with_chunk(tensor):
+    """tensor.chunk(n) instead of tensor_split(n): fewer than n chunks when the tensor is shorter than n."""
+    _ring_steps(tensor, tensor.view(-1).chunk(dist.get_world_size()), torch.empty_like, _isend_recv)
+
+
+def ring_with_float32_buffers(tensor):
+    """Receive buffers made with torch.empty(k): float32 whatever the tensor's dtype."""
+    _ring_steps(tensor, tensor.view(-1).tensor_split(dist.get_world_size()), lambda into: torch.empty(into.shape),
+                _isend_recv)
+
+
+def ring_sending_the_whole_tensor(tensor):
+    """Each step sends the whole tensor into the neighbour's one-chunk buffer."""
+    _ring_steps(tensor, tensor.view(-1).tensor_split(dist.get_world_size()), torch.empty_like,
+                lambda out, buf, right, left: _isend_recv(tensor, buf, right, left))
+
+
+def ring_isend_irecv_wait(tensor):
+    """Right, written with isend and irecv, both waited for."""
+    def exchange(out, buf, right, left):
+        reqs = ([dist.isend(out, dst=right)] if out.numel() else []) + ([dist.irecv(buf, src=left)] if buf.numel()
+                                                                        else [])
+        for req in reqs:
+            req.wait()
+    _ring_steps(tensor, tensor.view(-1).tensor_split(dist.get_world_size()), torch.empty_like, exchange)
+
+
+def ring_blocking_send_recv(tensor):
+    """Right, with blocking send and recv: even ranks send first, odd ranks receive first (no deadlock)."""
+    def exchange(out, buf, right, left):
+        if dist.get_rank() % 2 == 0:
+            if out.numel():
+                dist.send(out, right)
+            if buf.numel():
+                dist.recv(buf, left)
+        else:
+            if buf.numel():
+                dist.recv(buf, left)
+            if out.numel():
+                dist.send(out, right)
+    _ring_steps(tensor, tensor.view(-1).tensor_split(dist.get_world_size()), torch.empty_like, exchange)
+
+
+def ring_from_imports(tensor):
+    """Right, with another import style: the functions imported by name, the ranks taken from the group."""
+    from torch.distributed import get_rank, get_world_size, irecv, isend
+
+    def exchange(out, buf, right, left):
+        sent = isend(out, right) if out.numel() else None
+        got = irecv(buf, left) if buf.numel() else None
+        for req in (sent, got):
+            if req is not None:
+                req.wait()
+    assert get_rank() == dist.get_rank()
+    _ring_steps(tensor, tensor.view(-1).tensor_split(get_world_size()), torch.empty_like, exchange)
+
+
 # -- the checker passes correct implementations ------------------------------------------------
-@pytest.mark.parametrize("impl", [chunked_ring_all_reduce, batched_chunked_ring, reversed_order_sum])
+@pytest.mark.parametrize("impl", [chunked_ring_all_reduce, batched_chunked_ring, reversed_order_sum,
+                                  ring_isend_irecv_wait, ring_blocking_send_recv, ring_from_imports])
 def test_passes_bandwidth_optimal_implementations(clusters, impl):
     check_all_reduce(impl, clusters=clusters)  # raises AssertionError if it wrongly rejects
 
@@ -274,14 +356,52 @@ def test_catches_each_mistake(clusters, impl, words):
         assert w in message, f"the checker's message for {impl.__name__} should mention {w!r}; it was:\n{message}"
 
 
-def test_deadlock_becomes_an_assertion(clusters):
+def test_chunk_instead_of_tensor_split_says_why(clusters):
+    """tensor.chunk(2) of 1 value gives 1 chunk: the bare IndexError becomes a sentence naming chunk() and its fix."""
+    message = _verdict(clusters, ring_with_chunk)
+    for w in ("raised IndexError", "on 2 ranks with a float32 tensor of shape (1,)",
+              "tensor.chunk(2) of 1 value returns only 1 chunk", "tensor_split(world_size)"):
+        assert w in message, f"the message should mention {w!r}; it was:\n{message}"
+
+
+@pytest.mark.parametrize("impl, words", [
+    # either rank may abort first: rank 0 gets 3 float64 values (24 vs 12 bytes), rank 1 gets 4 (32 vs 16)
+    (ring_with_float32_buffers, ["with a float64 tensor of shape (7,)", "Received data size doesn't match",
+                                 "the buffer is float32", "torch.empty_like(chunk)"]),
+    (ring_sending_the_whole_tensor, ["with a float32 tensor of shape (12,)", "received a message of 48 bytes into a "
+                                     "24-byte buffer", "48 vs 24", "the whole tensor", "one chunk per step"]),
+])
+def test_gloo_abort_becomes_one_sentence(make_cluster, capfd, impl, words):
+    """gloo aborts a rank whose message is longer than its receive buffer: the verdict says why in plain words,
+    instead of "killed by SIGABRT", and the aborted rank's thread dumps do not reach the notebook. (A cluster of
+    its own: the ranks that replace an aborted one start without the shared clusters' preloaded imports.)"""
+    aborted = {2: make_cluster(world_size=2, timeout=29)}
+    message = _verdict(aborted, impl, world_sizes=(2,))
+    for w in words:
+        assert w in message, f"the message for {impl.__name__} should mention {w!r}; it was:\n{message}"
+    assert "SIGABRT" not in message and "\n" not in message, message
+    printed = capfd.readouterr()
+    assert "Thread 0x" not in printed.err + printed.out and "Fatal Python error" not in printed.err, printed.err[:2000]
+    check_all_reduce(chunked_ring_all_reduce, clusters=aborted, world_sizes=(2,))   # the ranks recover for a retry
+
+
+def _verdict(clusters, impl, **kwargs):
     with pytest.raises(AssertionError) as info:
-        check_all_reduce(deadlocking, clusters={2: clusters[2]}, world_sizes=(2,), timeout=3)
+        check_all_reduce(impl, clusters=clusters, **kwargs)
+    return str(info.value)
+
+
+def test_deadlock_becomes_an_assertion(make_cluster):
+    """(On a cluster of its own, as the aborts above: the ranks that replace stuck ones start without the shared
+    clusters' preloaded imports, and a functional collective's first import then takes seconds.)"""
+    stuck = {2: make_cluster(world_size=2, timeout=29)}
+    with pytest.raises(AssertionError) as info:
+        check_all_reduce(deadlocking, clusters=stuck, world_sizes=(2,), timeout=3)
     message = str(info.value)
     assert "did not finish within 3 s" in message, message
     for r in (0, 1):   # where each rank was stuck: the call and the learner's own line
         assert f"rank {r}: in recv() at" in message and "dist.recv(buf, (rank - 1) % n)" in message, message
-    check_all_reduce(chunked_ring_all_reduce, clusters={2: clusters[2]}, world_sizes=(2,))  # usable after
+    check_all_reduce(chunked_ring_all_reduce, clusters=stuck, world_sizes=(2,))  # usable after
 
 
 @pytest.mark.parametrize("impl, words", [

@@ -23,6 +23,8 @@ all-reduce computed by the ranks can send: a correct result with less traffic ca
 (``dist.*``, ``torch.distributed._functional_collectives``, a process group's own methods), and each of
 those is also recorded by name where Python can see it.
 """
+import re
+
 import torch
 
 __all__ = ["check_all_reduce", "check_sent_bytes_prediction", "send_bound", "cluster", "close_clusters", "CASES"]
@@ -181,7 +183,7 @@ def _remove_guard():
     _reset()
 
 
-def _run_case(impl, case_index, dtype, shape):
+def _run_case(impl, case_index, dtype, shape, stderr_dir=None):
     import torch.distributed as dist
 
     r = dist.get_rank()
@@ -192,7 +194,8 @@ def _run_case(impl, case_index, dtype, shape):
         tensor = torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
     given = tensor.clone()
     _reset()
-    returned = impl(tensor)
+    with _stderr_to_file(stderr_dir and f"{stderr_dir}/rank{r}.err"):
+        returned = impl(tensor)
     called = list(dict.fromkeys(_CALLED))
     _CALLED.clear()
     if not isinstance(returned, torch.Tensor) or returned.shape != tensor.shape:
@@ -201,7 +204,107 @@ def _run_case(impl, case_index, dtype, shape):
             "sent_bytes": _SENT["bytes"], "messages": _SENT["messages"]}
 
 
+class _stderr_to_file:
+    """While a case runs, this rank's file descriptor 2 goes to ``path``: when gloo aborts the rank (a message
+    larger than its receive buffer), its one useful line and faulthandler's thread dumps land there, where the
+    checker reads the line for its verdict, instead of in the notebook. Anything else written there (a warning)
+    is copied back to stderr afterwards. ``path`` None: nothing is redirected."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        import os
+        import sys
+
+        if self.path is None:
+            return self
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
+        return self
+
+    def __exit__(self, *exc):
+        import os
+        import sys
+
+        if self.path is None:
+            return False
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        with open(self.path, errors="backslashreplace") as f:
+            written = f.read()
+        os.unlink(self.path)
+        if written:
+            sys.stderr.write(written)
+            sys.stderr.flush()
+        return False
+
+
 # -- in the notebook ----------------------------------------------------------------------------
+# gloo's abort when a message is longer than the buffer that receives it (pair.cc, torch 2.13):
+# "... op.preamble.length <= op.nbytes. 48 vs 24. Received data size doesn't match expected size ..."
+_SIZE_MISMATCH = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match")
+
+
+def _gloo_abort_words(impl, stderr_dir, case, world_size):
+    """One plain sentence for a rank that gloo aborted because a message did not fit its receive buffer, read from
+    the line gloo wrote before the abort (in ``stderr_dir``); None if no rank wrote one."""
+    import os
+
+    dtype, shape = case
+    n = world_size
+    numel = 1
+    for d in shape:
+        numel *= d
+    item = torch.empty(0, dtype=dtype).element_size()
+    size = numel * item
+    for r in range(n):
+        path = os.path.join(stderr_dir, f"rank{r}.err")
+        try:
+            with open(path, errors="backslashreplace") as f:
+                found = _SIZE_MISMATCH.search(f.read())
+        except OSError:
+            continue
+        if not found:
+            continue
+        got, room = int(found.group(1)), int(found.group(2))
+        head = (f"{_name(impl)} {_case_words(case, n)}: rank {r} received a message of {got} bytes into a "
+                f"{room}-byte buffer, and gloo aborted the rank (\"{got} vs {room}. Received data size doesn't "
+                "match\"): ")
+        dtype_name = str(dtype).replace("torch.", "")
+        if got == size and room < size:
+            return head + ("that message is the whole tensor, sent where the neighbour receives one chunk; send one "
+                           "chunk per step (chunks[(rank - s) % world_size] in reduce-scatter), never the tensor.")
+        if item > 4 and got == room * item // 4:
+            return head + (f"the buffer is float32 (4 bytes a value, as torch.empty(k) and torch.zeros(k) make) "
+                           f"while the tensor is {dtype_name}; make every receive buffer with "
+                           "torch.empty_like(chunk), which keeps the tensor's dtype.")
+        return head + ("a send and the receive that matches it must have the same length and dtype; send one chunk "
+                       "per step and receive it into torch.empty_like(the chunk it goes into).")
+    return None
+
+
+def _index_error_words(impl, exc, case, world_size):
+    """One plain sentence for an IndexError that comes from tensor.chunk(n) giving fewer than n chunks; None
+    when chunk() gives n chunks for this case (the IndexError has another cause, and its own message stays)."""
+    dtype, shape = case
+    n = world_size
+    numel = 1
+    for d in shape:
+        numel *= d
+    pieces = len(torch.empty(numel).chunk(n))
+    if pieces >= n:
+        return None
+    return (f"{_name(impl)} raised IndexError ({exc.exc_message}) {_case_words(case, n)}: tensor.chunk({n}) of "
+            f"{numel} value{'s' if numel != 1 else ''} returns only {pieces} chunk{'s' if pieces != 1 else ''}, "
+            "so chunks[i] runs past the end; use tensor.tensor_split(world_size), which always returns world_size "
+            "chunks (some may be empty).")
+
+
 def _name(impl):
     return getattr(impl, "__name__", type(impl).__name__)
 
@@ -465,11 +568,23 @@ def check_all_reduce(impl, *, bandwidth_optimal=True, clusters=None, world_sizes
     ``timeout`` (seconds) bounds each case: a deadlock becomes an AssertionError, not a hang.
     """
     __tracebackhide__ = True
-    from course_utils import DistributedError, DistributedTimeout
+    import shutil
+    import tempfile
 
     if not callable(impl):
         raise TypeError(f"check_all_reduce takes the all-reduce function itself, got {type(impl).__name__}")
     name = _name(impl)
+    stderr_dir = tempfile.mkdtemp(prefix="check-all-reduce-")   # where an aborted rank's last words land
+    try:
+        _check_all_reduce(impl, name, bandwidth_optimal, clusters, world_sizes, timeout, stderr_dir)
+    finally:
+        shutil.rmtree(stderr_dir, ignore_errors=True)
+
+
+def _check_all_reduce(impl, name, bandwidth_optimal, clusters, world_sizes, timeout, stderr_dir):
+    __tracebackhide__ = True
+    from course_utils import DistributedError, DistributedTimeout
+
     for n in world_sizes:
         cluster_n = cluster(n, clusters)
         cluster_n.run(_install_guard)
@@ -478,7 +593,7 @@ def check_all_reduce(impl, *, bandwidth_optimal=True, clusters=None, world_sizes
                 if shape == "fewer than ranks":
                     shape = (n - 1,)
                 try:
-                    outs = cluster_n.run(_run_case, impl, i, dtype, shape, timeout=timeout)
+                    outs = cluster_n.run(_run_case, impl, i, dtype, shape, stderr_dir, timeout=timeout)
                 except DistributedTimeout as exc:
                     raise AssertionError(
                         f"{name} did not finish within {timeout} s on {n} ranks (shape {shape}): "
@@ -487,6 +602,12 @@ def check_all_reduce(impl, *, bandwidth_optimal=True, clusters=None, world_sizes
                         "receiving a message nobody sends. Use dist.isend + dist.recv, then wait()."
                         + stuck_calls(exc)) from None
                 except DistributedError as exc:
+                    # the aborted rank's line first: its neighbours may report "Connection closed by peer" sooner
+                    words = (_gloo_abort_words(impl, stderr_dir, (dtype, shape), n)
+                             or (_index_error_words(impl, exc, (dtype, shape), n) if exc.exc_type == "IndexError"
+                                 else None))
+                    if words:
+                        raise AssertionError(words) from None
                     raised = [exc.rank] + [r for r, s in exc.ranks.items() if "raised" in str(s)]
                     raise AssertionError(
                         f"{name} raised {exc.exc_type} on {_ranks(raised)} of {n} (shape {shape}): "
