@@ -381,19 +381,22 @@ def _turns(row):
 def describe_race(rows, ring_rows, world_size=4, cores=None):
     """Sentences comparing two sweeps of the same sizes (the library's all-reduce, the hand ring), from the data.
 
-    Rows from ``race`` carry their turns: a ring is called faster at a size only when its turns and the other's
-    do not overlap (``spread_overlaps``), at both of the two smallest or both of the two largest sizes; otherwise
-    the sentence says the difference is within the measured spread. Each outcome comes with its reason: the
-    fixed cost per call at the small sizes, and at the large ones how gloo's ring cuts the buffer
-    (``gloo_ring_messages``: segments of at most 1 MiB) against the hand ring's 2(n-1) messages of S/n.
-    Plain ``sweep`` rows (no turns) fall back to a 1.1x margin and say that no spread was measured.
-    Introduced in 04_measuring_bandwidth.
+    One sentence for the two smallest sizes, one for the two largest. At each size the winner is named only when
+    the two functions' turns do not overlap (``spread_overlaps``: rows from ``race`` carry their turns); plain
+    ``sweep`` rows (no turns) fall back to a 1.1x margin and say that no spread was measured. When both sizes of a
+    pair have the same outcome the sentence names it once; otherwise it names the outcome of each size (a ring
+    faster at one size and the difference within the spread at the other is said as such, never as "neither").
+    Each winner comes with its reason: the fixed cost per call at the small sizes, and at the large ones how
+    gloo's ring cuts the buffer (``gloo_ring_messages``: segments of at most 1 MiB) against the hand ring's
+    2(n-1) messages of S/n. Introduced in 04_measuring_bandwidth.
     """
     if [r["bytes"] for r in rows] != [r["bytes"] for r in ring_rows]:
         raise ValueError("the two sweeps must have the same sizes")
     n = world_size
     names = [format_size(r["bytes"]) for r in rows]
     on_cores = f" on {cores} shared core(s)" if cores else " on shared cores"
+    turns = rows[0].get("turns")
+    spread = f"beyond the spread of {turns} turns" if turns else "no spread measured: a 1.1x margin"
 
     def outcome(k):
         lib, hand = rows[k], ring_rows[k]
@@ -405,38 +408,54 @@ def describe_race(rows, ring_rows, world_size=4, cores=None):
             return ratio, "within"
         return ratio, "library" if ratio > 1 else "hand"
 
+    def why(kind, k, small):
+        """The reason that fits a win by ``kind`` at size index ``k`` (the largest of its pair for the large)."""
+        size = rows[k]["bytes"]
+        msgs, seg = gloo_ring_messages(size, n)
+        if kind == "library":
+            return (" the hand ring's every step is a Python send or recv, gloo's ring runs in C++ on a worker thread"
+                    if small else
+                    f" the bytes dominate, and gloo's ring adds in C++ and overlaps sending one segment with adding "
+                    f"another ({msgs} messages of {format_size(seg)} per rank at {names[k]})")
+        return (f" not the algorithm: the time is almost all fixed cost per call, and dist.all_reduce hands the "
+                f"work to a worker thread and back, and its ring sends {msgs} messages of {format_size(seg)} per "
+                f"rank where the hand ring sends {2 * (n - 1)}"
+                if small else
+                f" gloo's ring cuts the buffer into segments of at most 1 MiB, to overlap sending one with adding "
+                f"another, so at {names[k]} each rank sends {msgs} messages where the hand ring sends "
+                f"{2 * (n - 1)} of {format_size(size // n)}; with {n} ranks{on_cores} every message costs "
+                "wake-ups, and the overlap needs a free core")
+
+    def span(values):
+        return f"{min(values):.2f}x" if f"{min(values):.2f}" == f"{max(values):.2f}" else \
+            f"{min(values):.2f}x to {max(values):.2f}x"
+
     def sentence(idx, small):
         found = [outcome(k) for k in idx]
         ratios = [r for r, _ in found]
-        kinds = {kind for _, kind in found}
+        kinds = [kind for _, kind in found]
         where = f"at the {'smallest' if small else 'largest'} sizes ({names[idx[0]]}, {names[idx[1]]})"
-        turns = rows[idx[0]].get("turns")
-        spread = (f"beyond the spread of {turns} turns" if turns else "no spread measured: a 1.1x margin")
-        biggest = rows[idx[-1]]["bytes"]
-        msgs, seg = gloo_ring_messages(biggest, n)
-        if kinds == {"library"}:
-            why = (" the hand ring's every step is a Python send or recv, gloo's ring runs in C++ on a worker thread"
-                   if small else
-                   f" the bytes dominate, and gloo's ring adds in C++ and overlaps sending one segment with adding "
-                   f"another ({msgs} messages of {format_size(seg)} per rank at {names[idx[-1]]})")
-            return (f"{where} the library is faster ({min(ratios):.2f}x to {max(ratios):.2f}x, {spread}):" + why)
-        if kinds == {"hand"}:
-            smallest_msgs, smallest_seg = gloo_ring_messages(rows[idx[0]]["bytes"], n)
-            why = (f" not the algorithm: the time is almost all fixed cost per call, and dist.all_reduce hands the "
-                   f"work to a worker thread and back, and its ring sends {smallest_msgs} messages of "
-                   f"{format_size(smallest_seg)} per rank where the hand ring sends {2 * (n - 1)}"
-                   if small else
-                   f" gloo's ring cuts the buffer into segments of at most 1 MiB, to overlap sending one with adding "
-                   f"another, so at {names[idx[-1]]} each rank sends {msgs} messages where the hand ring sends "
-                   f"{2 * (n - 1)} of {format_size(biggest // n)}; with {n} ranks{on_cores} every message costs "
-                   "wake-ups, and the overlap needs a free core")
-            return (f"{where} the hand ring is faster ({1 / max(ratios):.2f}x to {1 / min(ratios):.2f}x, "
-                    f"{spread}):" + why)
-        overlap = [names[k] for k, (_, kind) in zip(idx, found) if kind == "within"]
         beyond = "beyond the measured spread" if turns else "by a 1.1x margin (no spread measured)"
-        return (f"{where} neither ring is faster {beyond} at both sizes (time ratios, hand ring / library, "
-                f"{min(ratios):.2f} to {max(ratios):.2f}"
-                + (f"; the turns overlap at {', '.join(overlap)})" if overlap and turns else ")"))
+        if kinds == ["library"] * len(idx):
+            return f"{where} the library is faster ({span(ratios)}, {spread}):" + why("library", idx[-1], small)
+        if kinds == ["hand"] * len(idx):
+            key = idx[0] if small else idx[-1]
+            return (f"{where} the hand ring is faster ({span([1 / r for r in ratios])}, {spread}):"
+                    + why("hand", key, small))
+        if kinds == ["within"] * len(idx):
+            return (f"{where} neither ring is faster {beyond} at either size (time ratios, hand ring / library, "
+                    f"{min(ratios):.2f} to {max(ratios):.2f}" + ("; the turns overlap at both)" if turns else ")"))
+        parts = []   # the outcomes differ between the two sizes: one clause per size, each with its own verdict
+        for k, (ratio, kind) in zip(idx, found):
+            if kind == "library":
+                parts.append(f"at {names[k]} the library is faster ({ratio:.2f}x, {spread}):" + why(kind, k, small))
+            elif kind == "hand":
+                parts.append(f"at {names[k]} the hand ring is faster ({1 / ratio:.2f}x, {spread}):"
+                             + why(kind, k, small))
+            else:
+                parts.append(f"at {names[k]} neither ring is faster {beyond} (time ratio, hand ring / library, "
+                             f"{ratio:.2f}" + ("; the turns overlap there)" if turns else ")"))
+        return f"{where}, size by size: " + "; ".join(parts)
 
     return [sentence([0, 1], small=True), sentence([len(rows) - 2, len(rows) - 1], small=False)]
 
@@ -752,52 +771,110 @@ def check_busbw(my_busbw, row, world_size):
                 f"row['bytes'] / row['time_s'], then apply the all-reduce's bus factor for n = {n} ranks (section 1).")
 
 
+PRINTED_ALPHA_S = 0.5e-6          # section 4 prints alpha in microseconds, no decimal: within 0.5 us
+PRINTED_BANDWIDTH_BPS = 0.0005e9  # it prints 1/beta, and section 7 the peak busbw, in GB/s with 3 decimals
+
+
+def _accepts(got, right, rtol):
+    """``got`` is ``right`` within ``rtol`` (what the printed figures' rounding allows), or written with 3 or more
+    significant digits and within half a unit of its last digit (``1.15e6`` for 1152963.9)."""
+    digits, half_unit = _written_rounding(got)
+    rounded = any(got == float(f"{right:.{d}g}") for d in range(3, 16))  # 0.048 for 0.0479571: "0.0480", 3 digits
+    return (_near(got, right, rtol) or rounded
+            or (digits >= 3 and abs(got - right) <= 1.01 * half_unit + rtol * abs(right)))
+
+
+def _near_miss(what, got, right, unit, printed):
+    """The verdict for an answer within 5 % of ``right`` that ``_accepts`` refused, as a percentage (never "1x"),
+    or None for an answer further off."""
+    ratio = got / right
+    if abs(ratio - 1) >= 0.05:
+        return None
+    return (f"{what}: {got:.6g} {unit} is {abs(ratio - 1):.2%} {'above' if ratio > 1 else 'below'} the right value "
+            f"({right:.6g} {unit}): right formula, but a rounded number. Compute it from {printed} (or from the "
+            "printed figures as they are printed), and keep at least 3 significant digits.")
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
 def check_bucket_times(my_times, alpha, beta):
     """Exercise 2 of 04: the alpha-beta model's time for DDP's first bucket and for a full default bucket.
 
     ``my_times`` maps "first" and "full" to seconds. The sizes are DDP's defaults, with ``bucket_cap_mb`` left
     unset: ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) for the first bucket and 25 MiB for the others (passing
     any ``bucket_cap_mb``, even 25, makes the first cap ``bucket_cap_mb`` too: ``_BucketCapacityConfig.create``).
+    An answer computed from the figures as section 4 prints them (alpha to 0.5 us, 1/beta to 0.0005 GB/s), or
+    written with 3 or more significant digits, passes; a near miss gets a percentage and what to keep.
     """
     __tracebackhide__ = True
     import torch.distributed as dist
 
-    if my_times is None or any(my_times.get(k) is None for k in ("first", "full")):
+    if not isinstance(my_times, dict) or any(my_times.get(k) is None for k in ("first", "full")):
         raise _fail('Set my_times = {"first": ..., "full": ...} (seconds, from alpha and beta) and run again.')
     sizes = {"first": dist._DEFAULT_FIRST_BUCKET_BYTES, "full": 25 * 2**20}
     for key, size in sizes.items():
         t = my_times[key]
-        if _near(t, alpha + beta * size):
+        if not _is_number(t):
+            raise _fail(f'my_times["{key}"] should be a positive number of seconds, got {t!r}.')
+        right = alpha + beta * size
+        # the printed alpha's rounding, plus the printed 1/beta's (relative PRINTED_BANDWIDTH_BPS x beta) on beta S
+        rtol = max(1e-6, 1.01 * (PRINTED_ALPHA_S + beta * size * PRINTED_BANDWIDTH_BPS * beta) / right)
+
+        def near(a, b):
+            return _near(a, b, rtol)
+
+        if _accepts(t, right, rtol):
             continue
         decimal = {"first": 10**6, "full": 25 * 10**6}[key]
-        if _near(t, alpha + beta * decimal):
+        if near(t, alpha + beta * decimal):
             raise _fail(f"{key}: DDP's sizes are binary: bucket_cap_mb=25 means 25 x 2**20 bytes, and the first "
                         "bucket is 2**20 bytes (dist._DEFAULT_FIRST_BUCKET_BYTES), not 10**6.")
-        if _near(t, beta * size):
+        if near(t, beta * size):
             raise _fail(f"{key}: you left out alpha, the fixed cost every all-reduce pays once.")
-        if key == "first" and _near(t, alpha + beta * 25 * 2**20):
+        if key == "first" and near(t, alpha + beta * 25 * 2**20):
             raise _fail("first: while bucket_cap_mb is left unset, DDP caps the FIRST bucket at 1 MiB "
                         "(dist._DEFAULT_FIRST_BUCKET_BYTES), not at the 25 MiB default of the others.")
-        raise _fail(f"{key}: {t:.4g} s is {t / (alpha + beta * size):.3g}x what the model predicts for a bucket "
+        if near(t, alpha * 1e-6 + beta * size) or near(t, alpha + beta * size * 1e-6) or near(t, right * 1e-6):
+            raise _fail(f"{key}: a unit is off by 10**6: alpha and the times are in seconds (section 4 prints alpha "
+                        "in us), beta in seconds per byte, S in bytes.")
+        miss = _near_miss(key, t, right, "s", "alpha and beta")
+        if miss:
+            raise _fail(miss)
+        raise _fail(f"{key}: {t:.4g} s is {t / right:.3g}x what the model predicts for a bucket "
                     f"of {format_size(size)}: t = alpha + beta x S, with S in bytes.")
 
 
 def check_algbw_prediction(my_algbw, busbw_Bps):
-    """Exercise 3 of 04: algbw at 2 and 8 ranks if busbw stayed at ``busbw_Bps`` (an optimal all-reduce)."""
+    """Exercise 3 of 04: algbw at 2 and 8 ranks if busbw stayed at ``busbw_Bps`` (an optimal all-reduce).
+
+    An answer computed from the peak busbw as printed (GB/s, 3 decimals), or written with 3 or more significant
+    digits, passes; a near miss gets a percentage and what to keep.
+    """
     __tracebackhide__ = True
-    if my_algbw is None or any(my_algbw.get(n) is None for n in (2, 8)):
+    if not isinstance(my_algbw, dict) or any(my_algbw.get(n) is None for n in (2, 8)):
         raise _fail("Set my_algbw = {2: ..., 8: ...} (bytes per second) and run the cell again.")
+    rtol = max(1e-6, 1.01 * PRINTED_BANDWIDTH_BPS / busbw_Bps)   # the printed peak's rounding
     for n in (2, 8):
         right = busbw_Bps / bus_factor("all_reduce", n)
         got = my_algbw[n]
-        if _near(got, right):
+        if not _is_number(got):
+            raise _fail(f"my_algbw[{n}] should be a positive number of bytes per second, got {got!r}.")
+        if _accepts(got, right, rtol):
             continue
-        if _near(got, busbw_Bps * bus_factor("all_reduce", n)):
+        if _near(got, busbw_Bps * bus_factor("all_reduce", n), rtol):
             raise _fail(f"n = {n}: you multiplied by the bus factor; busbw is algbw times it, so go the other way.")
-        if _near(got, busbw_Bps / bus_factor("all_reduce", 4)):
+        if _near(got, busbw_Bps / bus_factor("all_reduce", 4), rtol):
             raise _fail(f"n = {n}: that is the algbw at 4 ranks. The bus factor 2(n-1)/n depends on n: "
                         "with busbw fixed, algbw changes with the number of ranks.")
-        raise _fail(f"n = {n}: {got:.4g} B/s is {got / right:.3g}x the algbw that keeps busbw constant.")
+        if _near(got, right / 1e9, rtol) or _near(got, right / 2**30, rtol):
+            raise _fail(f"n = {n}: right formula, wrong unit: my_algbw is in bytes per second, not GB/s.")
+        miss = _near_miss(f"n = {n}", got, right, "B/s", "peak")
+        if miss:
+            raise _fail(miss)
+        raise _fail(f"n = {n}: {got:.4g} B/s is {got / right:.3g}x the algbw that keeps busbw constant: "
+                    f"algbw = busbw / (2(n-1)/n) with n = {n}.")
 
 
 # -- the course's solutions to 04's exercises (try your own first) ------------------------------------------

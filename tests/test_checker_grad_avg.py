@@ -1,8 +1,13 @@
-"""check_grad_averaging (05_manual_gradient_averaging) on real ranks: right versions pass, each
-classic mistake fails with a message that names its factor.
+"""check_grad_averaging (05_manual_gradient_averaging) tested against the learner, on real ranks: right versions
+pass, written in several ways (dist.* or a name imported from torch.distributed, async_op=True then wait(), the
+process group's method, the functional collectives); each classic mistake fails with a message that names its
+factor; each exercise (1: scale before the sum, 2: buckets, 4: tokens in one all-reduce) rejects its typical wrong
+answers with a reason and a hint that fits it, its verdicts counted apart from the other exercises'. The notebook's
+wiring (its scaffolds fail, its solutions pass) is tested in tests/test_exercises_04_05.py.
 
-    .venv/bin/python -m pytest tests/test_grad_avg.py -p no:randomly
+    .venv/bin/python -m pytest -n 0 tests/test_checker_grad_avg.py -p no:randomly
 """
+import re
 import sys
 
 import pytest
@@ -10,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import register_by_value
+from torch.distributed import all_reduce as imported_all_reduce   # bound before the checker patches anything
 
 from course_utils import DistributedError
 from course_utils.checks import check_grad_averaging
@@ -359,8 +365,301 @@ def test_collectives_are_counted(cluster):
 def test_counting_leaves_torch_distributed_as_it_was(cluster):
     def originals():
         import torch.distributed as dist
-        return dist.all_reduce.__module__, dist.all_reduce.__qualname__
+        import torch.distributed._functional_collectives as funcol
+        return (dist.all_reduce.__module__, dist.all_reduce.__qualname__, repr(dist.ProcessGroup.allreduce),
+                funcol.all_reduce.__qualname__)
 
     before = cluster.run(originals)
     check_grad_averaging(right_avg, cluster=cluster, collectives=10)
     assert cluster.run(originals) == before, "the counting wrappers must be removed after the check"
+
+
+# == exercise 1: scale before the sum (prescaled=True) ================================================
+def _backward_mean_not_by_k(model, micro_batches):
+    for x, y in micro_batches:
+        F.mse_loss(model(x), y).backward()
+
+
+def scale_then_sum(model, micro_batches):   # the course's way
+    _backward_mean_not_by_k(model, micro_batches)
+    for p in model.parameters():
+        p.grad /= len(micro_batches) * dist.get_world_size()
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def scale_then_sum_imported(model, micro_batches):   # another import style, and mul_ instead of /=
+    _backward_mean_not_by_k(model, micro_batches)
+    for p in model.parameters():
+        p.grad.mul_(1.0 / (len(micro_batches) * dist.get_world_size()))
+        imported_all_reduce(p.grad)
+
+
+def scale_then_sum_async(model, micro_batches):   # every all-reduce started, then each waited for
+    _backward_mean_not_by_k(model, micro_batches)
+    works = []
+    for p in model.parameters():
+        p.grad /= len(micro_batches) * dist.get_world_size()
+        works.append(dist.all_reduce(p.grad, async_op=True))
+    for work in works:
+        work.wait()
+
+
+def scale_then_sum_group(model, micro_batches):   # the process group's own method
+    _backward_mean_not_by_k(model, micro_batches)
+    for p in model.parameters():
+        p.grad /= len(micro_batches) * dist.get_world_size()
+        dist.group.WORLD.allreduce([p.grad]).wait()
+
+
+def scale_then_sum_functional(model, micro_batches):   # the functional collective, its result copied back
+    import torch.distributed._functional_collectives as funcol
+
+    _backward_mean_not_by_k(model, micro_batches)
+    for p in model.parameters():
+        p.grad /= len(micro_batches) * dist.get_world_size()
+        p.grad.copy_(funcol.all_reduce(p.grad, "sum", dist.group.WORLD))
+
+
+def sum_then_divide(model, micro_batches):   # section 3's step: right gradient, divided after the all-reduce
+    _backward_all(model, micro_batches)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= dist.get_world_size()
+
+
+def scaled_by_k_only(model, micro_batches):   # scaled before, but by 1/K only: W x too large
+    _backward_mean_not_by_k(model, micro_batches)
+    for p in model.parameters():
+        p.grad /= len(micro_batches)
+        dist.all_reduce(p.grad)
+
+
+def not_scaled(model, micro_batches):   # the first attempt: backward, then the sum
+    _backward_mean_not_by_k(model, micro_batches)
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def scaled_but_never_waited(model, micro_batches):   # async_op=True, no wait()
+    _backward_mean_not_by_k(model, micro_batches)
+    works = []
+    for p in model.parameters():
+        p.grad /= len(micro_batches) * dist.get_world_size()
+        works.append(dist.all_reduce(p.grad, async_op=True))
+    model.works = works   # kept alive, never waited for (gloo finishes them on its own thread)
+
+
+def scale_then_avg(model, micro_batches):   # right result, but AVG divides after the sum
+    _backward_mean_not_by_k(model, micro_batches)
+    for p in model.parameters():
+        p.grad /= len(micro_batches)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def _verdict_of(fn, cluster, **kwargs):
+    try:
+        check_grad_averaging(fn, cluster=cluster, **kwargs)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("fn", [scale_then_sum, scale_then_sum_imported, scale_then_sum_async, scale_then_sum_group,
+                                scale_then_sum_functional])
+def test_exercise_1_right_answers_written_differently_pass(cluster, fn):
+    assert _verdict_of(fn, cluster, prescaled=True) is None
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (sum_then_divide, r"scaled after the all-reduce .*BEFORE dist.all_reduce"),
+    (scale_then_avg, r"ReduceOp.AVG .*divides by world_size AFTER the sum"),
+    (scaled_by_k_only, r"2x too large: the factor is world_size\."),
+    (not_scaled, r"6x too large: the factor is world_size x accum_steps\."),
+    (scaled_but_never_waited, r"async_op=True was never waited for .*call \.wait\(\)"),
+])
+def test_exercise_1_wrong_answers_fail_with_a_reason(cluster, fn, reason):
+    verdict = _verdict_of(fn, cluster, prescaled=True)
+    assert verdict and re.search(reason, verdict, re.S), verdict
+    assert "allreduce_hook" not in verdict, "DDP's default is the C++ reducer's division, not allreduce_hook"
+
+
+def test_exercise_1_hints_fit_it_and_its_verdicts_are_counted_apart(cluster):
+    """Issue 54: the lesson's demonstration (section 5, the article's loop through the plain check) and exercise 1's
+    first wrong attempt give the same verdict text; the exercise's first attempt was told the demonstration's fix,
+    "divide the all-reduced gradient by world_size, or ... AVG", which the exercise forbids."""
+    from course_utils.checks import grad_avg
+
+    grad_avg._SEEN.clear()
+    demo = _verdict_of(no_division_by_world_size, cluster)                  # the lesson's demonstration
+    first = _verdict_of(scaled_by_k_only, cluster, prescaled=True)
+    second = _verdict_of(scaled_by_k_only, cluster, prescaled=True)
+    assert demo.split(" (The same")[0] == first.split(" (The same")[0], "the same verdict text in both"
+    assert "Hint:" not in first and "a second time comes with a hint" in first, first
+    hint = second.split("Hint: ")[1]
+    assert "BEFORE dist.all_reduce" in hint and "len(micro_batches) * dist.get_world_size()" in hint, hint
+    assert "AVG" not in hint and "divide the all-reduced gradient" not in hint, hint
+    for fn in (not_scaled, scaled_by_k_only):
+        grad_avg._SEEN.clear()
+        _verdict_of(fn, cluster, prescaled=True)
+        hint = _verdict_of(fn, cluster, prescaled=True).split("Hint: ")[1]
+        assert "AVG" not in hint and "before" in hint.lower(), (fn.__name__, hint)
+
+
+# == exercise 2: buckets (bucket_numel=16) ===========================================================
+def _buckets_of(model, cap, closed_at_cap=False):
+    buckets, current = [], []
+    for p in reversed(list(model.parameters())):
+        size = sum(g.numel() for g in current) + p.numel()
+        if current and (size >= cap if closed_at_cap else size > cap):
+            buckets.append(current)
+            current = []
+        current.append(p.grad)
+    buckets.append(current)
+    return buckets
+
+
+def _average_buckets(buckets, asynchronous=False, reduce=None):
+    pending = []
+    for grads in buckets:
+        flat = torch.cat([g.flatten() for g in grads])
+        if reduce is not None:
+            reduce(flat)
+            flat /= dist.get_world_size()
+        elif asynchronous:
+            pending.append((grads, flat, dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)))
+            continue
+        else:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        pending.append((grads, flat, None))
+    for grads, flat, work in pending:
+        if work is not None:
+            work.wait()
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+
+def bucketed(model, micro_batches):
+    _backward_all(model, micro_batches)
+    _average_buckets(_buckets_of(model, 16))
+
+
+def bucketed_async(model, micro_batches):   # every bucket started, then waited for
+    _backward_all(model, micro_batches)
+    _average_buckets(_buckets_of(model, 16), asynchronous=True)
+
+
+def bucketed_imported_sum(model, micro_batches):   # another import style, SUM then / W
+    _backward_all(model, micro_batches)
+    _average_buckets(_buckets_of(model, 16), reduce=imported_all_reduce)
+
+
+def bucketed_off_by_one(model, micro_batches):   # closes a bucket that would reach the cap exactly
+    _backward_all(model, micro_batches)
+    _average_buckets(_buckets_of(model, 16, closed_at_cap=True))
+
+
+def one_flat_buffer(model, micro_batches):
+    _backward_all(model, micro_batches)
+    _average_buckets([[p.grad for p in model.parameters()]])
+
+
+def per_parameter(model, micro_batches):
+    _backward_all(model, micro_batches)
+    _average_buckets([[p.grad] for p in reversed(list(model.parameters()))])
+
+
+def registration_order(model, micro_batches):
+    _backward_all(model, micro_batches)
+    buckets, current = [], []
+    for p in model.parameters():
+        if current and sum(g.numel() for g in current) + p.numel() > 16:
+            buckets.append(current)
+            current = []
+        current.append(p.grad)
+    buckets.append(current)
+    _average_buckets(buckets)
+
+
+def buckets_not_averaged(model, micro_batches):   # SUM, no / W
+    _backward_all(model, micro_batches)
+    for grads in _buckets_of(model, 16):
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+
+def buckets_not_copied_back(model, micro_batches):
+    _backward_all(model, micro_batches)
+    for grads in _buckets_of(model, 16):
+        dist.all_reduce(torch.cat([g.flatten() for g in grads]), op=dist.ReduceOp.AVG)
+
+
+def test_exercise_2_the_checkers_model_has_a_bucket_exactly_at_the_cap():
+    from course_utils.checks.grad_avg import _buckets, _model
+
+    for case in _cases(WORLD_SIZE, bucket_numel=16):
+        numels = [p.numel() for p in _model(case).parameters()]
+        assert 16 in _buckets(numels, 16), f"no bucket lands on the cap: {numels}, {_buckets(numels, 16)}"
+        assert _buckets(numels, 16) != _buckets(numels, 16, full_at_cap=True), "the off-by-one must differ"
+
+
+@pytest.mark.parametrize("fn", [bucketed, bucketed_async, bucketed_imported_sum])
+def test_exercise_2_right_answers_written_differently_pass(cluster, fn):
+    assert _verdict_of(fn, cluster, bucket_numel=16) is None
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (bucketed_off_by_one, r"all-reduce 1 carried 8 elements .*exactly the cap of 16.*total > cap, not >= cap"),
+    (per_parameter, r"you all-reduced each of the 4 tensors on its own .*as few all-reduces as the cap allows"),
+    (one_flat_buffer, r"all-reduce 0 carried 25 elements .*over the cap of 16"),
+    (registration_order, r"follow the registration order"),
+    (buckets_not_averaged, r"2x too large: the factor is world_size\."),
+    (buckets_not_copied_back, r"The ranks end with different gradients"),
+])
+def test_exercise_2_wrong_answers_fail_with_a_reason(cluster, fn, reason):
+    verdict = _verdict_of(fn, cluster, bucket_numel=16)
+    assert verdict and re.search(reason, verdict, re.S), verdict
+
+
+def test_exercise_2_hint_fits_it(cluster):
+    from course_utils.checks import grad_avg
+
+    grad_avg._SEEN.clear()
+    _verdict_of(buckets_not_averaged, cluster, bucket_numel=16)
+    hint = _verdict_of(buckets_not_averaged, cluster, bucket_numel=16).split("Hint: ")[1]
+    assert "bucket" in hint and "ReduceOp.AVG" in hint, hint
+
+
+# == exercise 4: tokens in one all-reduce (unequal=True, collectives=1) ================================
+def tokens_in_one(model, micro_batches):
+    for x, y in micro_batches:
+        F.mse_loss(model(x), y, reduction="sum").backward()
+    grads = [p.grad for p in model.parameters()]
+    count = torch.tensor([float(sum(len(x) for x, _ in micro_batches))], dtype=grads[0].dtype)
+    flat = torch.cat([g.flatten() for g in grads] + [count])
+    imported_all_reduce(flat)
+    for g, piece in zip(grads, (flat[:-1] / flat[-1]).split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def tokens_in_two(model, micro_batches):   # right, but the count travels in a collective of its own
+    token_weighted(model, micro_batches)
+
+
+def test_exercise_4(cluster):
+    assert _verdict_of(tokens_in_one, cluster, unequal=True, collectives=1) is None
+    verdict = _verdict_of(tokens_in_two, cluster, unequal=True, collectives=1)
+    assert verdict and re.search(r"called 5 collectives .*this rank's sample count", verdict, re.S), verdict
+    verdict = _verdict_of(local_count, cluster, unequal=True, collectives=1)
+    assert verdict and "divides by its OWN sample count" in verdict, verdict
+    verdict = _verdict_of(right_sum_then_divide, cluster, unequal=True, collectives=1)
+    assert verdict and "mean of micro-batch means" in verdict, verdict
+
+
+def test_a_route_around_dist_is_counted_too(cluster):
+    """An alias bound before the check, and the process group's own method, are collectives like dist.*."""
+    verdict = _verdict_of(scale_then_sum_imported, cluster, collectives=1)
+    assert verdict and "called 4 collectives" in verdict, verdict
+    verdict = _verdict_of(scale_then_sum_group, cluster, collectives=1)
+    assert verdict and "called 4 collectives" in verdict, verdict

@@ -31,6 +31,7 @@ from course_utils.checks import verdict_error
 __all__ = ["check_grad_averaging", "check_adam_hides_the_bug", "RTOL"]
 
 D_IN = 16
+D_HIDDEN = 8   # the checker's model: Linear(16, 8), ReLU, Linear(8, 1); exercise 2 sizes it to its cap (_cases)
 RTOL = 1e-9
 
 # the collectives counted by ``collectives=``: every torch.distributed function that moves tensor data
@@ -67,13 +68,26 @@ def _unequal_sizes(world_size):
     return sizes
 
 
-def _cases(world_size, unequal=False):
-    """Each case: ``sizes[rank][micro_step]`` (samples per micro-batch) and a seed."""
+def _cases(world_size, unequal=False, bucket_numel=None):
+    """Each case: ``sizes[rank][micro_step]`` (samples per micro-batch), a seed and the model's ``d_hidden``.
+
+    With ``bucket_numel=C`` (exercise 2) the model is sized so that a bucket holds exactly C elements: for an even
+    C, one input and C/2 hidden units, whose tensors in reverse parameter order are 1, C/2, C/2 and C/2 elements,
+    bucketed as [1 + C/2, C] (a bucket closed at ``>= C`` instead of ``> C`` sends [1 + C/2, C/2, C/2]; one
+    tensor per all-reduce, one flat buffer and the registration order each send another layout); for an odd C,
+    C - 1 hidden units (1 + (C - 1) = C)."""
     k, b = _pick_sizes(world_size)
+    d_in, d_hidden = D_IN, D_HIDDEN
+    if bucket_numel is not None and bucket_numel >= 4 and bucket_numel % 2 == 0:
+        d_in, d_hidden = 1, bucket_numel // 2
+    elif bucket_numel is not None and bucket_numel >= 2:
+        d_hidden = bucket_numel - 1
     if unequal:
         one_each = [[3 + 2 * r] for r in range(world_size)]  # accum_steps = 1, ranks of different sizes
-        return [dict(sizes=_unequal_sizes(world_size), seed=3), dict(sizes=one_each, seed=4)]
-    return [dict(sizes=[[b] * k] * world_size, seed=1), dict(sizes=[[b]] * world_size, seed=2)]
+        cases = [dict(sizes=_unequal_sizes(world_size), seed=3), dict(sizes=one_each, seed=4)]
+    else:
+        cases = [dict(sizes=[[b] * k] * world_size, seed=1), dict(sizes=[[b]] * world_size, seed=2)]
+    return [dict(case, d_in=d_in, d_hidden=d_hidden) for case in cases]
 
 
 def _describe_case(case):
@@ -89,7 +103,7 @@ def _case_data(case):
     from course_utils.data import make_regression
 
     n = sum(sum(row) for row in case["sizes"])
-    return make_regression(n=n, d_in=D_IN, seed=100 + case["seed"], dtype=torch.float64)
+    return make_regression(n=n, d_in=case.get("d_in", D_IN), seed=100 + case["seed"], dtype=torch.float64)
 
 
 def _micro_batches(case, rank):
@@ -106,7 +120,7 @@ def _micro_batches(case, rank):
 def _model(case):
     from course_utils.models import make_model
 
-    return make_model(seed=case["seed"], d_in=D_IN, d_hidden=8).double()
+    return make_model(seed=case["seed"], d_in=case.get("d_in", D_IN), d_hidden=case.get("d_hidden", D_HIDDEN)).double()
 
 
 def _grads_of(losses_and_weights, case):
@@ -149,13 +163,62 @@ def _last_micro_batch_only(case):
     }
 
 
+# the process group's own methods: what every route ends in (dist.*, an alias such as
+# ``from torch.distributed import all_reduce`` bound before the check, ``dist.group.WORLD.allreduce``)
+_GROUP_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
+                  "reduce", "reduce_scatter", "_reduce_scatter_base", "broadcast", "gather", "scatter", "alltoall",
+                  "alltoall_base", "send", "recv")
+_OP_NAMES = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+
+
+def _op_name(op):
+    """'SUM', 'AVG', ... for a ReduceOp, a RedOpType, an AllreduceOptions or None (SUM, the default)."""
+    import torch.distributed as dist
+
+    op = getattr(op, "reduceOp", op)
+    if op is None:
+        return "SUM"
+    if isinstance(op, str):  # the functional collectives take "sum", "avg"
+        return op.upper()
+    for name in _OP_NAMES:
+        if hasattr(dist.ReduceOp, name) and op == getattr(dist.ReduceOp, name):
+            return name
+    return str(op).split(".")[-1].upper()
+
+
+class _ReadAtWait:
+    """A Work that records what its all-reduce produced when it is waited for: inside ``dist.all_reduce`` for a
+    blocking call, at the learner's ``wait()`` for ``async_op=True``."""
+
+    def __init__(self, work, tensors, call):
+        self._work, self._tensors, self._call = work, tensors, call
+
+    def wait(self, *args, **kwargs):
+        done = self._work.wait(*args, **kwargs)
+        self._call["sq_norm"] = float(sum(t.double().pow(2).sum() for t in self._tensors))
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def _counting_collectives(counts, calls=None):
-    """Patch torch.distributed's collectives so that each call adds 1 to ``counts[name]``; returns an undo.
-    ``calls``: a list that gets, for each all_reduce, its op, its numel and its result's squared norm."""
+    """Patch torch.distributed so that each collective call adds 1 to ``counts[name]``, however it is reached:
+    ``dist.*`` and ``c10d.*``, the process group's methods (what an alias bound before the patch, or
+    ``dist.group.WORLD.allreduce``, calls) and ``torch.distributed._functional_collectives``; a call inside
+    another counted call is not counted again. ``calls``: a list that gets, for each all-reduce, its op, its numel
+    and the squared norm of what it produced, read when it completes (at ``wait()`` for ``async_op=True``; None
+    if never waited for). Returns an undo."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    depth = [0]
     saved = []
+
+    def count(name):
+        if depth[0] == 0:
+            counts[name] = counts.get(name, 0) + 1
+
     for module in (dist, c10d):
         for name in _COLLECTIVES:
             original = getattr(module, name, None)
@@ -163,22 +226,66 @@ def _counting_collectives(counts, calls=None):
                 continue
 
             def counted(*args, _name=name, _original=original, **kwargs):
-                counts[_name] = counts.get(_name, 0) + 1
-                result = _original(*args, **kwargs)
-                if _name == "all_reduce" and calls is not None:
-                    tensor = args[0] if args else kwargs.get("tensor")
-                    op = args[1] if len(args) > 1 else kwargs.get("op", dist.ReduceOp.SUM)
-                    done = not (kwargs.get("async_op") or (len(args) > 3 and args[3]))
-                    calls.append({"op": str(op).split(".")[-1].upper(), "numel": tensor.numel(),
-                                  "sq_norm": float(tensor.double().pow(2).sum()) if done else None})
-                return result
+                count(_name)
+                depth[0] += 1
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    depth[0] -= 1
 
             saved.append((module, name, original))
             setattr(module, name, counted)
 
+    group_class = c10d.ProcessGroup
+    for name in _GROUP_METHODS:
+        original = group_class.__dict__.get(name)
+        if original is None:
+            continue
+
+        def method(self, *args, _name=name, _original=original, **kwargs):
+            count("all_reduce" if _name == "allreduce" else f"ProcessGroup.{_name}")
+            depth[0] += 1
+            try:
+                work = _original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if _name != "allreduce" or calls is None:
+                return work
+            tensors = args[0] if args else kwargs.get("tensors", kwargs.get("tensor"))
+            tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+            op = args[1] if len(args) > 1 else kwargs.get("opts", kwargs.get("op"))
+            call = {"op": _op_name(op), "numel": sum(t.numel() for t in tensors), "sq_norm": None}
+            calls.append(call)
+            return _ReadAtWait(work, tensors, call) if work is not None else work
+
+        saved.append((group_class, name, original))
+        setattr(group_class, name, method)
+
+    try:
+        import torch.distributed._functional_collectives as fc
+    except ImportError:  # pragma: no cover (a torch without the functional collectives)
+        fc = None
+    for name in ("all_reduce", "all_reduce_coalesced", "all_gather_tensor", "reduce_scatter_tensor",
+                 "all_to_all_single", "broadcast") if fc is not None else ():
+        original = getattr(fc, name, None)
+        if not callable(original):
+            continue
+
+        def functional(*args, _name=name, _original=original, **kwargs):
+            count(_name)
+            result = _original(*args, **kwargs)
+            if _name == "all_reduce" and calls is not None and depth[0] == 0:
+                op = args[1] if len(args) > 1 else kwargs.get("reduceOp")
+                calls.append({"op": _op_name(op), "numel": result.numel(),
+                              "sq_norm": float(result.double().pow(2).sum())})  # waits for the result
+            return result
+
+        saved.append((fc, name, original))
+        setattr(fc, name, functional)
+
     def undo():
-        for module, name, original in saved:
-            setattr(module, name, original)
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
     return undo
 
 
@@ -244,28 +351,72 @@ def _explain_factor(ratio, world_size, accum_steps, micro_batch_size):
     return None
 
 
-_FIXES = {   # the fix for each named factor, shown only when the same verdict comes a second time
-    "world_size.": "divide the all-reduced gradient by world_size, or all-reduce with op=dist.ReduceOp.AVG",
-    "1/world_size.": "divide by world_size once: ReduceOp.AVG already does it, and so does a global sample count",
-    "accum_steps.": "divide each micro-batch's loss by accum_steps = len(micro_batches) before backward()",
-    "1/accum_steps.": "divide each micro-batch's loss by accum_steps once",
-    "micro_batch_size.": "use the mean loss, F.mse_loss(model(x), y) (reduction='mean', the default)",
-    "world_size x accum_steps.": "divide each micro-batch's loss by accum_steps and the all-reduced gradient by "
-                                 "world_size",
-    "mean of micro-batch means": "sum the per-sample losses (reduction='sum') and divide by N, the sample count of "
-                                 "the WHOLE global batch (all-reduce this rank's count to get it)",
-    "OWN sample count": "divide by N, the count of the WHOLE global batch: all-reduce this rank's count first",
+_FIXES = {   # the fix for each named factor, per exercise, shown only when the same verdict comes a second time
+    "plain": {
+        "world_size.": "divide the all-reduced gradient by world_size, or all-reduce with op=dist.ReduceOp.AVG",
+        "1/world_size.": "divide by world_size once: ReduceOp.AVG already does it, and so does a global sample count",
+        "accum_steps.": "divide each micro-batch's loss by accum_steps = len(micro_batches) before backward()",
+        "1/accum_steps.": "divide each micro-batch's loss by accum_steps once",
+        "micro_batch_size.": "use the mean loss, F.mse_loss(model(x), y) (reduction='mean', the default)",
+        "world_size x accum_steps.": "divide each micro-batch's loss by accum_steps and the all-reduced gradient "
+                                     "by world_size",
+        "mean of micro-batch means": "sum the per-sample losses (reduction='sum') and divide by N, the sample count "
+                                     "of the WHOLE global batch (all-reduce this rank's count to get it)",
+        "OWN sample count": "divide by N, the count of the WHOLE global batch: all-reduce this rank's count first",
+    },
+    # exercise 1 scales BEFORE the all-reduce and changes nothing after it: every fix is a factor applied first
+    "prescaled": {
+        "world_size.": "scale each gradient by 1 / (len(micro_batches) * dist.get_world_size()) BEFORE "
+                       "dist.all_reduce(p.grad, op=dist.ReduceOp.SUM): dividing by K alone leaves the sum of W "
+                       "ranks",
+        "1/world_size.": "scale each gradient once, by 1 / (len(micro_batches) * dist.get_world_size()), before the "
+                         "all-reduce, and sum with ReduceOp.SUM",
+        "accum_steps.": "the one factor before the all-reduce covers the K micro-batches too: scale by 1 / "
+                        "(len(micro_batches) * dist.get_world_size()), not by 1 / world_size",
+        "1/accum_steps.": "the loss is the mean loss, not divided by K: then scale each gradient once, by 1 / "
+                          "(len(micro_batches) * dist.get_world_size())",
+        "micro_batch_size.": "backward() the mean loss, F.mse_loss(model(x), y) (reduction='mean', the default)",
+        "world_size x accum_steps.": "between the backward passes and dist.all_reduce, scale every p.grad by 1 / "
+                                     "(len(micro_batches) * dist.get_world_size())",
+    },
+    "buckets": {
+        "world_size.": "all-reduce each bucket with op=dist.ReduceOp.AVG (or divide it by world_size) before you "
+                       "copy its slices back into each p.grad",
+        "1/world_size.": "divide by world_size once: ReduceOp.AVG already does it",
+        "accum_steps.": "divide each micro-batch's loss by accum_steps = len(micro_batches) before backward()",
+        "1/accum_steps.": "divide each micro-batch's loss by accum_steps once",
+        "micro_batch_size.": "use the mean loss, F.mse_loss(model(x), y) (reduction='mean', the default)",
+        "world_size x accum_steps.": "divide each micro-batch's loss by accum_steps, and average each bucket over "
+                                     "the ranks (ReduceOp.AVG)",
+    },
+    "tokens": {
+        "world_size.": "put this rank's sample count in the same all-reduce as the gradients and divide by the "
+                       "summed count: it covers every rank",
+        "1/world_size.": "the summed sample count already divides by everything: sum (ReduceOp.SUM), do not average",
+        "micro_batch_size.": "sum the per-sample losses (reduction='sum') and divide once, by the global count",
+        "mean of micro-batch means": "sum the per-sample losses (reduction='sum'); put this rank's sample count at "
+                                     "the end of the one flat tensor you all-reduce, and divide by the summed count",
+        "OWN sample count": "divide by N, the count of the WHOLE global batch: all-reduce this rank's count with the "
+                            "gradients (one more element in the same tensor)",
+    },
 }
-_SEEN = {}   # verdict -> how many times it was given in this process
+_SEEN = {}   # (exercise, verdict) -> how many times it was given in this process: counted per exercise
 
 
-def _with_hint(problem):
-    """The verdict, plus the fix when the same verdict is given a second time (the first says factor and reason)."""
-    fixes = [fix for key, fix in _FIXES.items() if f"the factor is {key}" in problem or f" {key} " in f" {problem} "]
+def _exercise(prescaled, bucket_numel, unequal):
+    """Which exercise a call checks, for its hints and its verdict counts."""
+    return "prescaled" if prescaled else "buckets" if bucket_numel is not None else "tokens" if unequal else "plain"
+
+
+def _with_hint(problem, exercise="plain"):
+    """The verdict, plus this exercise's fix when the same verdict is given a second time in this exercise (the
+    first says factor and reason)."""
+    fixes = [fix for key, fix in _FIXES[exercise].items()
+             if f"the factor is {key}" in problem or f" {key} " in f" {problem} "]
     if not fixes:
         return problem
-    _SEEN[problem] = _SEEN.get(problem, 0) + 1
-    if _SEEN[problem] == 1:
+    _SEEN[exercise, problem] = _SEEN.get((exercise, problem), 0) + 1
+    if _SEEN[exercise, problem] == 1:
         return problem + " (The same verdict a second time comes with a hint.)"
     return problem + " Hint: " + fixes[0] + "."
 
@@ -403,17 +554,28 @@ def _cluster_for(world_size):
     return c
 
 
-def _buckets(numels, cap):
+def _buckets(numels, cap, full_at_cap=False):
     """The bucket layout (elements per all-reduce) of exercise 2: tensors in reverse parameter order, a bucket
-    takes the next tensor while its total stays within ``cap``; a tensor larger than ``cap`` goes alone."""
+    takes the next tensor while its total stays within ``cap``; a tensor larger than ``cap`` goes alone.
+    ``full_at_cap=True``: the off-by-one layout, a bucket closed when the next tensor would bring it to the cap."""
     out, current = [], 0
     for n in reversed(numels):
-        if current and current + n > cap:
+        if current and (current + n >= cap if full_at_cap else current + n > cap):
             out.append(current)
             current = 0
         current += n
     out.append(current)
     return out
+
+
+def _next_tensor(numels, consumed):
+    """The numel of the tensor that follows the first ``consumed`` elements in reverse parameter order, or None."""
+    total = 0
+    for n in reversed(numels):
+        if total == consumed:
+            return n
+        total += n
+    return None
 
 
 def _bucket_problem(sent, numels, cap, where):
@@ -422,6 +584,14 @@ def _bucket_problem(sent, numels, cap, where):
     if sent == expected:
         return None
     shown = ", ".join(map(str, sent)) or "none"
+    if sent == _buckets(numels, cap, full_at_cap=True):
+        i = next(i for i, (n, e) in enumerate(zip(sent, expected)) if n != e)
+        following = _next_tensor(numels, sum(sent[:i + 1]))
+        carried = f"{sent[i]} element{'s' * (sent[i] != 1)}"
+        return (f"Your gradients are right, but all-reduce {i} carried {carried} {where}: the next tensor in "
+                f"reverse order ({following} elements) would have filled that bucket to exactly the cap of {cap}, "
+                "which a bucket may hold. Close a bucket only when the next tensor would take it PAST the cap "
+                "(total > cap, not >= cap).")
     if sum(sent) != sum(numels):
         return (f"Your gradients are right, but the all-reduces carried {shown} elements {where}, "
                 f"{sum(sent)} in all, not the model's {sum(numels)}: all-reduce every gradient exactly once.")
@@ -460,13 +630,15 @@ def _prescale_problem(result, where):
                 "world_size AFTER the sum. This exercise scales each gradient BEFORE the all-reduce and sums "
                 "(ReduceOp.SUM, the default), so the reduced values are already the mean.")
     if any(c["sq_norm"] is None for c in calls):
-        return f"Call dist.all_reduce without async_op=True here {where}, so that the check can read its result."
+        return (f"An all-reduce started with async_op=True was never waited for {where}: call .wait() on the work "
+                "it returns before your function returns, or its result may not be in the gradient yet.")
     reduced = math.sqrt(sum(c["sq_norm"] for c in calls))
     final = _flat(result["grads"]).norm().item()
     if not math.isclose(reduced, final, rel_tol=1e-9):
         return (f"Your gradients are right, but they were scaled after the all-reduce {where}: what came out of "
                 f"the all-reduces is {reduced / final:.4g}x the final gradient. Scale each gradient (by 1/(K x W)) "
-                "BEFORE dist.all_reduce, as DDP's allreduce_hook divides first, and change nothing after it.")
+                "BEFORE dist.all_reduce, as DDP does (its reducer divides each gradient while it copies it into the "
+                "bucket), and change nothing after it.")
     return None
 
 
@@ -485,7 +657,14 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
     (``dist.all_reduce`` and friends, counted on every rank) per call. ``prescaled=True`` (exercise 1):
     the gradients must be scaled BEFORE an all_reduce(SUM), nothing changed after it. ``bucket_numel=C``
     (exercise 2): one all_reduce per bucket of at most C elements, filled in reverse parameter order
-    without splitting a tensor (a tensor over C goes alone), and no other collective.
+    without splitting a tensor (a tensor over C goes alone), and no other collective; the model is then sized so
+    that one bucket holds exactly C elements (a bucket closed at ``>= C`` fails; ``_cases``).
+
+    A collective is seen however it is reached (``dist.*``, a name imported from ``torch.distributed``, the
+    process group's methods, the functional collectives), and an all-reduce's result is read when it completes
+    (inside the call, or at ``wait()`` after ``async_op=True``). A verdict's hint, and the count that holds it
+    back until the same verdict comes a second time, belong to the exercise (``prescaled``, ``bucket_numel``,
+    ``unequal`` or none of them).
 
     The ranks are ``cluster`` if given; else, in a notebook, the ``%%ddp`` cluster (a 2-rank one
     is started if none runs); else a gloo ``Cluster(world_size or 2)`` kept for the next call. An error
@@ -501,7 +680,8 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
     ws = cluster.world_size
     if ws < 2:
         raise ValueError("check_grad_averaging needs at least 2 ranks: with one, there is nothing to average.")
-    cases = _cases(ws, unequal=unequal)
+    cases = _cases(ws, unequal=unequal, bucket_numel=bucket_numel)
+    exercise = _exercise(prescaled, bucket_numel, unequal)
     try:
         results = cluster.run(_run_on_rank, fn, cases, timeout=timeout)
     except DistributedTimeout as exc:
@@ -512,8 +692,14 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
     for i, case in enumerate(cases):
         wrong = {**(_wrong_weightings(case) if unequal else {}), **_last_micro_batch_only(case)}
         problem = _compare([results[r][i]["grads"] for r in range(ws)], _reference(case), case, wrong)
+        unwaited = [r for r in range(ws) if any(c["sq_norm"] is None for c in results[r][i]["all_reduces"])]
+        if problem and unwaited:   # wrong gradients and an all-reduce nobody waited for: that is the first cause
+            raise _fail(f"An all-reduce started with async_op=True was never waited for on rank {unwaited[0]} "
+                        f"{_describe_case(case)}, and the gradients are wrong: call .wait() on the work each "
+                        "dist.all_reduce(..., async_op=True) returns before your function returns; until then its "
+                        "result may not be in the tensor.")
         if problem:
-            raise _fail(_with_hint(problem))
+            raise _fail(_with_hint(problem, exercise))
     if collectives is not None:
         for i, case in enumerate(cases):
             for r in range(ws):
