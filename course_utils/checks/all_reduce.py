@@ -27,7 +27,8 @@ import re
 
 import torch
 
-__all__ = ["check_all_reduce", "check_sent_bytes_prediction", "send_bound", "cluster", "close_clusters", "CASES"]
+__all__ = ["check_all_reduce", "all_reduce_verdict", "check_sent_bytes_prediction", "send_bound", "cluster",
+           "close_clusters", "CASES"]
 
 # (dtype, shape): the first case is the easy one, so basic mistakes show on it
 CASES = (
@@ -671,3 +672,15 @@ def check_sent_bytes_prediction(prediction, rank=1, numel=10, world_size=4, *, c
         why = (f"use the schedule of section 4: in reduce-scatter step s rank {r} sends chunk ({r} - s) % n, in "
                f"all-gather step s chunk ({r} + 1 - s) % n; add up those chunks' lengths, 4 bytes per value.")
     raise AssertionError(f"prediction = {prediction} bytes is not what rank {r} sends: {why}")
+
+
+def all_reduce_verdict(impl, **kwargs):
+    """What :func:`check_all_reduce` says about ``impl``: its verdict as text, or None when it passes.
+
+    Introduced in 03_all_reduce_by_hand, which asks the learner to predict a verdict and then prints it.
+    ``kwargs`` go to check_all_reduce (``bandwidth_optimal``, ``clusters``, ...)."""
+    try:
+        check_all_reduce(impl, **kwargs)
+    except AssertionError as exc:
+        return str(exc)
+    return None
