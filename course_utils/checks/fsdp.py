@@ -106,7 +106,7 @@ class CollectiveLog(TorchDispatchMode):
     and ``async_op=True`` all reach the process group through one dispatcher op of the ``c10d`` namespace
     (``c10d.allreduce_``, ``c10d._reduce_scatter_base_``, ``c10d.reduce_scatter_``, ...), and
     ``torch.distributed._functional_collectives`` through one of ``_c10d_functional``: a dispatch mode sees them
-    all (checked in torch 2.13 by tests/test_checker_micro_fsdp.py, one test per route). A spy on ``dist.*`` would
+    all (checked route by route in torch 2.13: tests/test_checker_micro_fsdp.py). A spy on ``dist.*`` would
     miss the last two routes. ``self.calls``: ``(kind, op, input numel)`` in call order, kind one of
     "all-reduce", "reduce-scatter", "all-gather", or the op's own name.
     """
