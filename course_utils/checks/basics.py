@@ -267,7 +267,13 @@ def _on_rank(fn, case):
     try:
         guard._reset()
         saved = _record_peers()
-        returned = fn(x)
+        guarded = [(owner, name, original) for (owner, name), original in guard._SAVED.items()]
+        rebound = guard._rebind_globals(fn, guarded + saved)   # names imported before the guard see it too
+        try:
+            returned = fn(x)
+        finally:
+            for names, key, value in rebound:
+                names[key] = value
         messages = guard._SENT["messages"]
         called = list(dict.fromkeys(guard._CALLED))
         inputs = list(guard._INPUTS)
