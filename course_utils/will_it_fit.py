@@ -68,9 +68,6 @@ MODELS = {
     "qwen2.5-7b": (QWEN25_7B, "Qwen/Qwen2.5-7B"),
     "article-14gb": (ARTICLE_14GB, None),          # the article's model: a shape, no published weights
 }
-# A card sold as "N GB" has N GiB (nvidia-smi: N x 1024 MiB).
-CARDS = {"T4": 16, "RTX 3090": 24, "RTX 4090": 24, "A10": 24, "A10G": 24, "L4": 24, "A100-40": 40, "A100-80": 80,
-         "H100": 80, "H200": 141}
 STRATEGY_ORDER = ("DDP", "ZeRO-1", "ZeRO-2", "FSDP2")
 
 
@@ -144,33 +141,93 @@ def resolve_model(name):
 
 
 # -- the cards ----------------------------------------------------------------------------------------------------
+# Every current NVIDIA consumer (GeForce RTX 20 to 50), workstation (RTX A and Ada) and data-centre card, with its
+# memory as sold: "12 GB" is 12 GiB (nvidia-smi: 12288MiB). A name sold in more than one size lists its sizes; the
+# bare name means DEFAULT_SIZE's one where the vendor launched and sells that one most (printed in the plan's card
+# line), and is refused, asking for the size, where it does not (4060 Ti 8 and 16 GB, A100 40 and 80 GB, ...).
+# tests/test_will_it_fit_cards.py holds every spelling below.
+CARD_SIZES = {
+    "RTX 2060": (6, 12), "RTX 2060 Super": (8,), "RTX 2070": (8,), "RTX 2070 Super": (8,), "RTX 2080": (8,),
+    "RTX 2080 Super": (8,), "RTX 2080 Ti": (11,), "Titan RTX": (24,),
+    "RTX 3050": (8, 6), "RTX 3060": (12, 8), "RTX 3060 Ti": (8,), "RTX 3070": (8,), "RTX 3070 Ti": (8,),
+    "RTX 3080": (10, 12), "RTX 3080 Ti": (12,), "RTX 3090": (24,), "RTX 3090 Ti": (24,),
+    "RTX 4060": (8,), "RTX 4060 Ti": (8, 16), "RTX 4070": (12,), "RTX 4070 Super": (12,), "RTX 4070 Ti": (12,),
+    "RTX 4070 Ti Super": (16,), "RTX 4080": (16,), "RTX 4080 Super": (16,), "RTX 4090": (24,),
+    "RTX 5060": (8,), "RTX 5060 Ti": (8, 16), "RTX 5070": (12,), "RTX 5070 Ti": (16,), "RTX 5080": (16,),
+    "RTX 5090": (32,),
+    "RTX A2000": (6, 12), "RTX A4000": (16,), "RTX A4500": (20,), "RTX A5000": (24,), "RTX A5500": (24,),
+    "RTX A6000": (48,), "RTX 2000 Ada": (16,), "RTX 4000 Ada": (20,), "RTX 4500 Ada": (24,), "RTX 5000 Ada": (32,),
+    "RTX 6000 Ada": (48,),
+    "T4": (16,), "V100": (16, 32), "A10": (24,), "A10G": (24,), "A30": (24,), "A40": (48,), "A100": (40, 80),
+    "L4": (24,), "L40": (48,), "L40S": (48,), "H100": (80,), "H200": (141,),
+}
+# The size a bare name means: the launch model, the one sold most (the other size is a later, rarer variant).
+DEFAULT_SIZE = {"RTX 2060": 6, "RTX 3050": 8, "RTX 3060": 12, "RTX 3080": 10}
+# One entry per card and size: a name sold in one size as it is, the others with their size ("RTX 3060 12GB").
+CARDS = {(name if len(sizes) == 1 else f"{name} {gib}GB"): gib for name, sizes in CARD_SIZES.items()
+         for gib in sizes}
+MAX_CARD_GIB = 1024          # a card's memory given as a number: more than 0, at most this (no card has more)
+
+
 def _card_key(name):
-    key = re.sub(r"[^a-z0-9]", "", name.lower().replace("nvidia", "").replace("geforce", ""))
-    return re.sub(r"gb$", "", key) if re.search(r"\d{2}gb$", key) else key
+    """Lower case, letters and digits only, without the vendor's words and the size's unit: "GeForce RTX 3060 12 GB",
+    "rtx3060-12gb" and "3060 12" all read "306012"."""
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    key = re.sub(r"^(nvidia)?(geforce)?(tesla)?(quadro)?(rtx)?", "", key)
+    return re.sub(r"(?<=\d)(gib|gb)$", "", key)         # not a bare "g": the A10G is a card
+
+
+def _card_lookup():
+    table = {}
+    for name, sizes in CARD_SIZES.items():
+        for gib in sizes:
+            label = name if len(sizes) == 1 else f"{name} {gib}GB"
+            table[_card_key(label)] = (gib, label, "")
+            table[_card_key(f"{name}-{gib}")] = (gib, label, "")     # "A100-40", "A100-80": the older spelling
+        if name in DEFAULT_SIZE:
+            gib = DEFAULT_SIZE[name]
+            other = " or ".join(f"{name} {s}GB" for s in sizes if s != gib)
+            table[_card_key(name)] = (gib, f"{name} {gib}GB", f"; {name!r} read as the {gib} GB model, the one "
+                                                              f"sold most: write {other} for the other")
+    return table
+
+
+_CARD_TABLE = _card_lookup()
 
 
 def parse_cards(text):
-    """``(count, GiB per card, label)`` from ``"2x16GiB"``, ``"2x16"``, ``"8xA100-80"``, ``"RTX 4090"``, ..."""
-    m = re.fullmatch(r"\s*(?:(\d+)\s*[x×*]\s*)?(.+?)\s*", text)
-    count = int(m.group(1) or 1) if m else 1
-    rest = m.group(2) if m else text
+    """``(count, GiB per card, label)`` from ``"2x16GiB"``, ``"2x16"``, ``"8xA100-80"``, ``"RTX 4090"``,
+    ``"2 x RTX 3060"``, ``"2xrtx3060-12gb"``, ... (``CARD_SIZES``). Introduced in 16_fine_tuning_small_cards."""
+    m = re.fullmatch(r"\s*(?:([+-]?\d+)\s*[x×*]\s*)?(.*?)\s*", str(text), flags=re.IGNORECASE)
+    if not m or not m.group(2):
+        raise WillItFitError(f"--cards {text!r}: give a count and a card, as in 2x16GiB or '2 x RTX 3060'")
+    count = int(m.group(1)) if m.group(1) else 1
+    rest = m.group(2)
     if count < 1:
-        raise WillItFitError(f"--cards {text!r}: at least one card")
-    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:gib|gb|g)?", rest.strip().lower())
+        raise WillItFitError(f"--cards {text!r}: the count must be at least 1, as in 2x16GiB")
+    key = _card_key(rest)
+    if key in _CARD_TABLE:
+        gib, label, note = _CARD_TABLE[key]
+        return count, float(gib), f"{count} x {label} ({gib} GiB{note})"
+    size = re.fullmatch(r"([+-]?\d+(?:\.\d+)?)\s*(?:gib|gb|g)?", rest.strip().lower())
     if size:
         gib = float(size.group(1))
+        if not 0 < gib <= MAX_CARD_GIB:
+            raise WillItFitError(f"--cards {text!r}: a card's memory must be more than 0 and at most "
+                                 f"{MAX_CARD_GIB} GiB, as in 2x16GiB")
         return count, gib, f"{count} x {gib:g} GiB"
-    by_key = {_card_key(n): n for n in CARDS}
-    by_key.update({"3090": "RTX 3090", "4090": "RTX 4090"})
-    key = _card_key(rest)
-    if key == "a100":
-        raise WillItFitError(f"--cards {text!r}: the A100 comes with 40 and 80 GiB: write A100-40 or A100-80")
-    if key not in by_key:
-        known = ", ".join(f"{n} ({g} GiB)" for n, g in CARDS.items())
-        raise WillItFitError(f"--cards {text!r}: unknown card {rest!r}. Known cards: {known}; or give the memory, "
-                             "as in 2x16GiB")
-    card = by_key[key]
-    return count, float(CARDS[card]), f"{count} x {card} ({CARDS[card]} GiB)"
+    sized = {n: s for n, s in CARD_SIZES.items() if len(s) > 1 and _card_key(n) == key}
+    if sized:
+        name, sizes = next(iter(sized.items()))
+        raise WillItFitError(f"--cards {text!r}: the {name} is sold with " + " and ".join(f"{s}" for s in sizes)
+                             + f" GiB: write {' or '.join(f'{name} {s}GB' for s in sizes)}")
+    import difflib
+
+    names = {_card_key(n): n for n in CARDS}
+    close = [names[k] for k in difflib.get_close_matches(key, names, n=4, cutoff=0.5)]
+    raise WillItFitError(f"--cards {text!r}: unknown card {rest!r}"
+                         + (f"; closest: {', '.join(close)}" if close else "")
+                         + "; or give the memory, as in 2x16GiB (every known card: course_utils.will_it_fit.CARDS)")
 
 
 # -- measuring ----------------------------------------------------------------------------------------------------

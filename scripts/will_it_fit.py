@@ -1,8 +1,9 @@
 """Will it fit on my cards? One training step of your model measured at true size, on this CPU, in under a minute
 (course_utils.will_it_fit; lessons 14 and 16 measure the same way with fake tensors).
 
-LoRA of Llama 2 7B on two 24 GB cards:
+LoRA of Llama 2 7B on two 24 GB cards; of Llama 3 8B on two RTX 3060 (any current NVIDIA card by name):
     python scripts/will_it_fit.py --model llama-2-7b --cards 2x24GiB --method lora
+    python scripts/will_it_fit.py --model llama-3-8b --cards "2 x RTX 3060" --method lora
 
 Full fine-tuning of Mistral 7B on eight A100 40 GB, sequences of 2048 tokens:
     python scripts/will_it_fit.py --model mistral-7b --cards 8xA100-40 --method full --seq-len 2048
@@ -31,8 +32,8 @@ from course_utils.will_it_fit import MODELS, WillItFitError, check_plan, will_it
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"{', '.join(MODELS)}, a config.json (or its folder), or a hub name")
-    p.add_argument("--cards", required=True, help="count x memory (2x16GiB) or count x a card's name (8xA100-80, "
-                                                  "'2 x RTX 3090'); one card: 'RTX 4090'")
+    p.add_argument("--cards", required=True, help="count x memory (2x16GiB) or count x a card's name ('2 x RTX 3060', "
+                                                  "2xrtx3060-8gb, 8xA100-80); one card: 'RTX 4090'")
     p.add_argument("--method", default="lora", choices=["full", "lora", "qlora"])
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per card per forward")

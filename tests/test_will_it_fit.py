@@ -57,7 +57,7 @@ def test_a_config_json_is_read_and_an_unsupported_one_is_refused(tmp_path):
 
 
 def test_bad_names_list_the_known_ones(capsys):
-    with pytest.raises(WillItFitError, match="unknown card 'GTX 1080'.*T4 \\(16 GiB\\).*H200 \\(141 GiB\\)"):
+    with pytest.raises(WillItFitError, match="unknown card 'GTX 1080'; closest: .*RTX 4080"):
         parse_cards("2xGTX 1080")
     with pytest.raises(WillItFitError, match="unknown model 'llama-9b'.*llama-2-7b.*qwen2.5-7b"):
         resolve_model("llama-9b")
@@ -72,7 +72,8 @@ def test_bad_names_list_the_known_ones(capsys):
     spec.loader.exec_module(script)
     assert script.main(["--model", "llama-2-7b", "--cards", "2xB200"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("will_it_fit: --cards '2xB200': unknown card 'B200'") and "Known cards: T4" in err, err
+    assert err.startswith("will_it_fit: --cards '2xB200': unknown card 'B200'; closest: H200") and \
+        err.count("\n") == 1, err
 
 
 def _all_jobs(shape, W=2, seq_len=8, replicas_only=False):
