@@ -1,0 +1,109 @@
+"""memory.least_peak: a storage freed late by another thread (gloo's worker) cannot move the measured peak, and
+lesson 14's sharded rows measure the same bytes every time (issue 56 §0: a CI run once printed 7.70 for 7.63).
+
+    .venv/bin/python -m pytest -n 0 tests/test_late_free.py
+"""
+import sys
+import threading
+
+import torch
+
+from course_utils.memory import least_peak, peak_memory
+
+from conftest import register_by_value  # noqa: E402
+
+register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
+
+
+def late_free_step(late):
+    """A step whose 4 MiB temporary is freed by another thread after the step's largest allocation when
+    ``late[0]`` is set, before it otherwise: the race of a gloo worker dropping a collective's copy."""
+    layer = torch.nn.Linear(64, 64)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        copy = torch.ones(2**20)                       # the collective's copy (4 MiB)
+        freed = threading.Event()
+        holder = [copy]
+        del copy
+        if late[0]:
+            late[0] = False                             # only the first step is late
+            thread = threading.Thread(target=lambda: (freed.wait(), holder.clear()))
+            thread.start()
+        else:
+            holder.clear()
+            thread = None
+        big = torch.ones(2**21)                         # 8 MiB: the step's peak allocation
+        del big
+        if thread is not None:
+            freed.set()
+            thread.join()
+        layer(torch.ones(1, 64)).sum().backward()
+
+    return step, layer
+
+
+def test_a_late_free_raises_one_measurement_and_not_the_least():
+    step, layer = late_free_step([True])
+    late = peak_memory(step, layer)["total"]
+    on_time = peak_memory(step, layer)["total"]
+    assert late - on_time == 4 * 2**20, (
+        f"the late copy should add exactly its 4 MiB to one step's peak: late {late}, on time {on_time}")
+    step, layer = late_free_step([True])
+    least = least_peak(step, layer, repeats=3)["total"]
+    assert least == on_time, f"least_peak should ignore the late step: {least} against {on_time}"
+
+
+def lesson14_sharded_peaks(repeats_of_measurement=2):
+    """Lesson 14's two checkpointed sharded rows (the same model, batch and steps as its section 1), each measured
+    ``repeats_of_measurement`` times with least_peak: this rank's totals, in bytes."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    from course_utils.fsdp import MicroFSDP, checkpoint_blocks
+    from course_utils.gpt import CharTokenizer, load_corpus, make_gpt
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    tokenizer = CharTokenizer(load_corpus())
+    batch = torch.randint(tokenizer.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    mine = batch[rank * 2:(rank + 1) * 2]
+
+    def gpt(checkpointed):
+        model = make_gpt(tokenizer.vocab_size, seed=0, n_layer=48, n_embd=64)
+        return checkpoint_blocks(model) if checkpointed else model
+
+    def fsdp2(model):
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+
+    builds = {"MicroFSDP + checkpointing": lambda: MicroFSDP(gpt(True), prefetch=False),
+              "FSDP2 + checkpointing": lambda: fsdp2(gpt(True))}
+    totals = {}
+    for name, build in builds.items():
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            for micro in mine.split(1):
+                (F.cross_entropy(model(micro).flatten(0, 1), micro.flatten()) / len(mine)).backward()
+            optimizer.step()
+
+        step()
+        totals[name] = [least_peak(step, model, optimizer)["total"] for _ in range(repeats_of_measurement)]
+    return totals
+
+
+def test_lesson14_sharded_rows_measure_the_same_bytes_every_time(make_cluster):
+    cluster = make_cluster(2, timeout=600)
+    for rank, totals in enumerate(cluster.run(lesson14_sharded_peaks)):
+        for name, measured in totals.items():
+            assert len(set(measured)) == 1, f"rank {rank}, {name}: the least of 3 steps varied: {measured}"
+            assert measured[0] > 0, f"rank {rank}, {name}: nothing measured"
