@@ -453,16 +453,18 @@ def tensors_equal_across_ranks(tensors, group=None):
 
 # -- exercises of lessons 06 and 07: self-checks and the course's solutions ----------------------
 def accumulate_with_flag(model, batches):
-    """The course's solution of 06's exercise 2: one all-reduce for ``len(batches)`` micro-batches,
-    with ``require_backward_grad_sync`` set by hand (no ``no_sync()``).
+    """The course's solution of 06's exercise 2: one all-reduce for the micro-batches of ``batches``, which may
+    hold different numbers of samples, with ``require_backward_grad_sync`` set by hand (no ``no_sync()``), and
+    the gradient of the mean loss over all the rank's samples.
 
     Introduced in 06_ddp_accumulation_no_sync (used when ``USE_SOLUTION = True``)."""
     import torch.nn.functional as F
 
-    K = len(batches)
+    n_samples = sum(len(xb) for xb, _ in batches)
     for k, (xb, yb) in enumerate(batches):
-        model.require_backward_grad_sync = (k == K - 1)     # before the forward: DDP reads it there
-        (F.mse_loss(model(xb), yb) / K).backward()
+        model.require_backward_grad_sync = k == len(batches) - 1   # before the forward: DDP reads it there
+        share = len(xb) / n_samples                                 # a micro-batch weighs as many samples as it has
+        (share * F.mse_loss(model(xb), yb)).backward()
 
 
 def _count_sync(accum_steps, use_no_sync, seed=0):
@@ -542,14 +544,17 @@ def check_sync_prediction(predicted, predicted_bytes, accum_steps=8):
         print(f"self-check passed: both predictions match what the ranks counted for accum_steps = {accum_steps}")
 
 
-def check_accumulate(accumulate, accum_steps=4, seed=0):
+MICRO_BATCH_SIZES = (8, 24, 40, 56)   # 06's exercise 2: one rank's 128 samples in micro-batches of unequal size
+
+
+def check_accumulate(accumulate, sizes=MICRO_BATCH_SIZES, seed=0):
     """Self-check of 06's exercise 2; call it on every rank (inside a ``%%ddp`` cell).
 
     ``accumulate(model, batches)`` must run forward and backward over the micro-batches of
-    ``batches`` (a list of ``(x, y)``) with exactly ONE all-reduce, at the last micro-step, by
-    setting ``model.require_backward_grad_sync`` itself (not with ``model.no_sync()``), and leave
-    in ``.grad`` the gradient of the mean loss over every rank's samples. Raises
-    ``AssertionError`` saying what is wrong; rank 0 prints one line when it is right.
+    ``batches`` (a list of ``(x, y)`` holding ``sizes`` samples each, unequal) with exactly ONE all-reduce,
+    at the last micro-step, by setting ``model.require_backward_grad_sync`` itself (not with
+    ``model.no_sync()``), and leave in ``.grad`` the gradient of the mean loss over every rank's samples.
+    Raises ``AssertionError`` saying what is wrong; rank 0 prints one line when it is right.
 
     Introduced in 06_ddp_accumulation_no_sync.
     """
@@ -562,14 +567,21 @@ def check_accumulate(accumulate, accum_steps=4, seed=0):
     from course_utils.models import make_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    K = accum_steps
-    x, y = make_regression(n=32 * world * K, d_in=16, seed=seed)
-    reference = make_model(seed=0)
-    F.mse_loss(reference(x), y).backward()                 # one process, the whole batch
-    ref = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    K, per_rank = len(sizes), sum(sizes)
+    x, y = make_regression(n=per_rank * world, d_in=16, seed=seed)
+
+    def flat_grad(loss_of):
+        one = make_model(seed=0)
+        loss_of(one).backward()
+        return torch.cat([p.grad.reshape(-1) for p in one.parameters()])
+
+    shards = [list(zip(xr.split(list(sizes)), yr.split(list(sizes)))) for xr, yr in zip(x.chunk(world), y.chunk(world))]
+    ref = flat_grad(lambda m: F.mse_loss(m(x), y))          # one process, the whole batch
+    # the typical wrong weightings, replayed in one process: each loss / K, and no division at all
+    per_k = flat_grad(lambda m: sum(F.mse_loss(m(xb), yb) for shard in shards for xb, yb in shard) / (K * world))
 
     model = DDP(make_model(seed=0))
-    seen = {"forwards": 0, "flags": [], "reduced_at": [], "no_sync": 0}
+    seen = {"forwards": 0, "flags": [], "at_backward": [], "reduced_at": [], "no_sync": 0}
 
     def hook(state, bucket):
         state["reduced_at"].append(state["forwards"] - 1)  # the micro-step whose backward reduces
@@ -582,7 +594,12 @@ def check_accumulate(accumulate, accum_steps=4, seed=0):
         seen["forwards"] += 1
         seen["flags"].append(bool(module.require_backward_grad_sync))
 
+    def after_forward(module, args, out):
+        if isinstance(out, torch.Tensor) and out.requires_grad:    # the flag when this micro-step's backward runs
+            out.register_hook(lambda grad: seen["at_backward"].append(bool(module.require_backward_grad_sync)))
+
     model.register_forward_pre_hook(before_forward)
+    model.register_forward_hook(after_forward)
     real_no_sync = model.no_sync
 
     def recorded_no_sync():
@@ -590,8 +607,7 @@ def check_accumulate(accumulate, accum_steps=4, seed=0):
         return real_no_sync()
 
     model.no_sync = recorded_no_sync                       # notice no_sync(): the exercise is without it
-    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
-    batches = list(zip(xs.chunk(K), ys.chunk(K)))
+    batches = shards[rank]
     try:
         accumulate(model, batches)
     except NotImplementedError as exc:
@@ -605,10 +621,15 @@ def check_accumulate(accumulate, accum_steps=4, seed=0):
                              "one forward and one backward per micro-batch.")
     reduced_at = seen["reduced_at"]
     if reduced_at != [K - 1]:
-        if reduced_at == [0]:
-            why = (" The flag each forward saw was " + str(seen["flags"]) + ": you set it AFTER the forward, so "
-                   "every forward obeyed the previous micro-step's value. DDP reads the flag in forward: "
-                   "set it before calling the model.")
+        moved = seen["at_backward"] != seen["flags"]      # the flag changed between a forward and its backward
+        if moved:
+            why = (" The flag each forward saw was " + str(seen["flags"]) + ", and at each backward "
+                   + str(seen["at_backward"]) + ": you set it AFTER the forward, so every forward obeyed the "
+                   "previous micro-step's value. DDP reads the flag in forward: set it before calling the model.")
+        elif reduced_at == [0]:
+            why = (" The flag each forward saw was " + str(seen["flags"]) + ": True at the FIRST micro-step. That "
+                   "all-reduce averaged micro-batch 0's gradient alone; the later ones stayed local on each rank. "
+                   "The sync must come once every micro-batch's gradient is in .grad: True only at the last.")
         elif len(reduced_at) == K:
             why = (" The flag was True at every forward: set model.require_backward_grad_sync = False for the "
                    "first K-1 micro-steps and True for the last.")
@@ -620,15 +641,22 @@ def check_accumulate(accumulate, accum_steps=4, seed=0):
                              f"expected exactly one, at the last micro-step ({K - 1})." + why)
     got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     if not torch.allclose(got, ref, rtol=1e-4, atol=1e-6):
+        if torch.allclose(got, per_k, rtol=1e-4, atol=1e-6):
+            raise AssertionError(f"one all-reduce at the right micro-step, but each loss divided by K = {K} weighs "
+                                 f"every micro-batch alike, and these hold {list(sizes)} samples: a sample of a small "
+                                 "micro-batch counts more than one of a big one. Weight each micro-batch's mean loss "
+                                 "by its share of the rank's samples.")
+        if torch.allclose(got, K * per_k, rtol=1e-4, atol=1e-6):
+            raise AssertionError("one all-reduce at the right micro-step, but the losses are not weighted at all: "
+                                 "the gradients of the micro-batches' mean losses add up in .grad. Weight each "
+                                 "micro-batch's mean loss by its share of the rank's samples before backward().")
         scale = float(got.dot(ref) / ref.dot(ref))
-        if abs(scale - K) < 1e-2 * K:
-            raise AssertionError(f"the gradients are {K} (= accum_steps) times too large: divide each "
-                                 "micro-batch's loss by the number of micro-batches before backward().")
         raise AssertionError(f"one all-reduce at the right micro-step, but the gradients differ from the "
-                             f"full-batch reference (they are {scale:.3g} times it along its direction): "
-                             "each micro-batch's loss divided by K, one backward each?")
+                             f"full-batch reference (they are {scale:.3g} times it along its direction): the mean "
+                             "loss over all the rank's samples, one backward per micro-batch?")
     if rank == 0:
-        print(f"self-check passed: {K} micro-batches, 1 all-reduce at the last one, the reference gradients")
+        print(f"self-check passed: {K} micro-batches of unequal size, 1 all-reduce at the last one, "
+              "the full-batch gradient")
 
 
 # The course's answer to 07's exercise 2: bucket 0 of the rebuilt ``Reordered`` model with

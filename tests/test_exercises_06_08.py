@@ -83,6 +83,15 @@ def flag_after_forward(model, batches):  # the build-nanogpt bug
         loss.backward()
 
 
+def flag_first_step(model, batches):  # before the forward, but True on the first micro-step, not the last
+    import torch.nn.functional as F
+
+    K = len(batches)
+    for k, (xb, yb) in enumerate(batches):
+        model.require_backward_grad_sync = (k == 0)
+        (F.mse_loss(model(xb), yb) / K).backward()
+
+
 def flag_never_false(model, batches):  # forgets the flag: K all-reduces
     import torch.nn.functional as F
 
@@ -97,6 +106,25 @@ def no_division(model, batches):  # one all-reduce at the right place, loss not 
     for k, (xb, yb) in enumerate(batches):
         model.require_backward_grad_sync = (k == K - 1)
         F.mse_loss(model(xb), yb).backward()
+
+
+def divide_by_k(model, batches):  # lesson 06's equal-size loop: right flag, each loss / K
+    import torch.nn.functional as F
+
+    K = len(batches)
+    for k, (xb, yb) in enumerate(batches):
+        model.require_backward_grad_sync = (k == K - 1)
+        (F.mse_loss(model(xb), yb) / K).backward()
+
+
+def summed_errors(model, batches):  # right, written another way: summed squared errors over the rank's samples
+    from torch.nn.functional import mse_loss
+
+    total = sum(xb.shape[0] for xb, _ in batches)
+    for k, (xb, yb) in enumerate(batches):
+        model.require_backward_grad_sync = k + 1 == len(batches)
+        loss = mse_loss(model(xb), yb, reduction="sum") / total
+        loss.backward()
 
 
 def with_no_sync(model, batches):  # right, but not the exercise
@@ -115,8 +143,10 @@ def run_check_accumulate(name):
     from course_utils.ddp_probes import accumulate_with_flag, check_accumulate
 
     answers = {"scaffold": scaffold_accumulate, "flag_after_forward": flag_after_forward,
+               "flag_first_step": flag_first_step,
                "flag_never_false": flag_never_false, "no_division": no_division,
-               "with_no_sync": with_no_sync, "solution": accumulate_with_flag}
+               "with_no_sync": with_no_sync, "solution": accumulate_with_flag, "divide_by_k": divide_by_k,
+               "summed_errors": summed_errors}
     try:
         check_accumulate(answers[name])
     except AssertionError as exc:
@@ -128,8 +158,11 @@ def run_check_accumulate(name):
     ("scaffold", r"accumulate is not written yet \(exercise 2: write accumulate\)"),
     ("flag_after_forward", r"at micro-step\(s\) \[0\] of 0..3: expected exactly one, at the last .* "
                            r"you set it AFTER the forward.* set it before calling the model"),
+    ("flag_first_step", r"at micro-step\(s\) \[0\] of 0..3: expected exactly one.* True at the FIRST micro-step.* "
+                        r"True only at the last"),
     ("flag_never_false", r"4 all-reduce\(s\), at micro-step\(s\) \[0, 1, 2, 3\] .* The flag was True at every forward"),
-    ("no_division", r"4 \(= accum_steps\) times too large: divide each micro-batch's loss"),
+    ("no_division", r"the losses are not weighted at all: .* by its share of the rank's samples"),
+    ("divide_by_k", r"each loss divided by K = 4 weighs every micro-batch alike, and these hold \[8, 24, 40, 56\]"),
     ("with_no_sync", r"accumulate calls model.no_sync\(\): .* setting model.require_backward_grad_sync yourself"),
 ])
 def test_check_accumulate_rejects_wrong_answers(cluster2, answer, reason):
@@ -138,10 +171,13 @@ def test_check_accumulate_rejects_wrong_answers(cluster2, answer, reason):
     import re
 
     assert re.search(reason, verdicts[0]), verdicts[0]
+    if answer != "flag_after_forward":  # the flag set before the forward is never blamed on its placement
+        assert "AFTER the forward" not in verdicts[0], verdicts[0]
 
 
-def test_check_accumulate_passes_the_solution(cluster2):
-    assert cluster2.run(run_check_accumulate, "solution") == ["passed", "passed"]
+@pytest.mark.parametrize("answer", ["solution", "summed_errors"])
+def test_check_accumulate_passes_right_answers(cluster2, answer):
+    assert cluster2.run(run_check_accumulate, answer) == ["passed", "passed"]
 
 
 # -- 07, exercise 2: predict bucket 0 of the rebuilt Reordered model -----------------------------
