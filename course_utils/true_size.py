@@ -212,6 +212,9 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 shards, bf16 gathered weights), or
     for a replica bf16 autocast over fp32 weights. ``checkpoint``: activation checkpointing per block.
     ``modify(model)``: called on the meta model before sharding (freeze a base, add adapters, ...).
+    ``foreach``: AdamW's setting. The default is the for-loop (``foreach=False``: temporaries one parameter at a
+    time), the setting lesson 14's tables state; ``foreach=TORCH_GPU_FOREACH`` (True) is what ``torch.optim.AdamW``
+    runs on a GPU when no argument says otherwise, and holds one more list of temporaries at the step.
     ``fake=False``: real tensors instead (same fake world, so the values are meaningless, the bytes real): the
     check that the fake run measures what a real one would, at a size that fits this machine.
     ``warmup=False``: measure the very first step, the one in which AdamW creates its state (by default one step
@@ -219,9 +222,9 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
     which leaves the bytes a whole step would; ``warmup="full"`` runs the whole step, forward and backward too).
 
     Returns ``{"forward": kinds, "backward": kinds, "step": kinds, "n_params": ..., "n_trainable": ...,
-    "seconds": ..., "param_dtype": ..., "autocast": ...}``; each ``kinds`` is the phase's peak with its breakdown
-    at that moment; ``param_dtype`` is the trainable parameters' dtype (None if mixed), ``autocast`` whether the
-    replica ran under bf16 autocast.
+    "seconds": ..., "param_dtype": ..., "autocast": ..., "foreach": ...}``; each ``kinds`` is the phase's peak with
+    its breakdown at that moment; ``param_dtype`` is the trainable parameters' dtype (None if mixed), ``autocast``
+    whether the replica ran under bf16 autocast, ``foreach`` AdamW's setting.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -303,7 +306,7 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     phases.update(n_params=n_params, n_trainable=n_trainable, seconds=time.perf_counter() - t0,
                   param_dtype=dtypes.pop() if len(dtypes) == 1 else None,
-                  autocast=bool(mixed_precision and strategy == "replica"))
+                  autocast=bool(mixed_precision and strategy == "replica"), foreach=bool(foreach))
     return phases
 
 
@@ -313,31 +316,124 @@ def step_peak(result):
     return result[phase]["total"], phase
 
 
-def replica_strategies(replica, world_size, mixed_precision=False):
-    """Per-rank peaks of DDP, ZeRO-1 and ZeRO-2, built from one measured replica (``strategy="replica"``).
+# DDP's default bucket (bucket_cap_mb=25): ZeRO-2 holds one bucket of full gradients at a time while it is reduced.
+BUCKET_BYTES = 25 * 2 ** 20
+# The optimizer the printed commands run: torch.optim.AdamW with no foreach/fused argument. On a GPU torch then
+# picks foreach=True (torch 2.13, torch/optim/optimizer.py: _default_to_fused_or_foreach, for CUDA tensors);
+# on a CPU the for-loop. measure_step's default is the for-loop (foreach=False), the setting lesson 14's tables
+# state they assume; pass foreach=TORCH_GPU_FOREACH to size the step a GPU runs by default.
+TORCH_GPU_FOREACH = True
 
-    Measured: the replica's phases (weights, gradients, AdamW state, activations and temporaries of one
-    micro-batch). Counted on top, per rank: DDP's bucket copy of the gradients (``gradient_as_bucket_view=False``:
-    4 B per trainable parameter in fp32, alive from backward on); ZeRO-1 keeps 1/W of the optimizer state; ZeRO-2 also
-    keeps 1/W of the gradients after their reduce-scatter (one bucket of full gradients at a time, not counted).
-    With ``mixed_precision`` (the ZeRO paper's split), the weights and gradients are bf16 (2 + 2 B), the
-    optimizer keeps an fp32 master copy beside its moments (4 + 8 B) and DDP's bucket holds bf16 gradients (2 B):
-    counted from the same parameter counts, on top of the activations of a replica measured in **pure bf16**
-    (``modify=lambda m: m.to(torch.bfloat16)``). A replica under autocast over fp32 weights will not do: autocast
-    saves a bf16 copy of every linear weight for backward, which lands in its activations, so the bf16 weights
-    were counted twice (the article's 14 GB model: mixed DDP 21.37 GB, above fp32 DDP's 20.46).
-    Returns ``{strategy: bytes at the step's peak}``.
+
+def replica_phases(replica, world_size, mixed_precision=False, foreach=None):
+    """Per-rank bytes of DDP, ZeRO-1 and ZeRO-2 (and, with ``mixed_precision``, one card with ZeRO-Offload) in
+    each phase of a step, counted on one measured replica (``measure_step(..., strategy="replica")``).
+
+    Phase by phase: each phase's own kinds at the replica's peak in that phase (forward: the weights, the AdamW
+    moments and the activations, no gradient; backward: the gradients made so far and what is still saved; step:
+    every gradient and the step's temporaries, no activation), each kind sharded as the strategy shards it, plus the
+    strategy's own buffers alive in that phase. Never the maxima of different phases summed (the replica's forward
+    peak holds the activations and no gradient, its backward peak the reverse).
+
+    - weights ``p`` B and gradients ``g`` B per parameter (4 and 4; mixed: the measured bf16 replica's 2 and 2);
+    - AdamW's state, ``o`` B per trainable parameter (8: the two moments; mixed: 12, an fp32 master copy beside
+      them), 1/W of it with ZeRO; its step temporaries, measured: the step's optimizer bytes beyond the state the
+      forward phase holds. With the for-loop (``foreach=False``) they are two of the largest parameter's size,
+      made one parameter at a time: ZeRO (whose partitions are whole parameters, as torch's
+      ``ZeroRedundancyOptimizer``'s are) leaves them whole on the rank that steps that parameter. With
+      ``foreach=True`` they cover the list the rank steps: 1/W with ZeRO. Mixed: the step runs on the fp32 master,
+      so the bf16 replica's temporaries count twice their bytes;
+    - DDP and ZeRO-1 (built on DDP): DDP's bucket copy of the gradients (``gradient_as_bucket_view=False``),
+      ``g`` B per trainable parameter, in every phase: the reducer allocates the buckets when it is built and keeps
+      them from step to step. The replica is measured *without* DDP, so no meter counted them: they are added once;
+    - ZeRO-2: 1/W of the gradients, after each bucket's reduce-scatter; in backward one bucket of full gradients
+      (``BUCKET_BYTES``, DDP's default 25 MiB, or every gradient when they are fewer) on top;
+    - offload (mixed only): the bf16 weights, gradients, activations and temporaries on the card; the master and
+      moments in host memory, stepped by the CPU (``cpu_adamw_seconds`` says what that costs).
+
+    ``foreach``: the setting the replica was measured with (``measure_step`` records it; a replica without the
+    record, as ``will_it_fit.measure_replica`` builds, is taken at this argument, default the for-loop).
+
+    What one snapshot per phase cannot see: a moment other than the replica's own peak in a phase that becomes the
+    peak once a strategy shrinks a kind (ZeRO-2's early backward, when every activation is still saved and the
+    first gradients' temporaries are made: its forward count plus the backward temporaries bounds it).
+
+    Returns ``{strategy: {"forward": bytes, "backward": bytes, "step": bytes}}``.
     """
     if mixed_precision and (replica.get("autocast") or replica.get("param_dtype") != torch.bfloat16):
         raise ValueError("mixed_precision=True counts bf16 weights and fp32 master state on a replica measured in pure "
                          "bf16: measure it with measure_step(..., strategy='replica', modify=lambda m: "
                          "m.to(torch.bfloat16)), not with mixed_precision=True (autocast's weight copies would be "
                          "counted twice)")
-    n = replica["n_trainable"]
-    W = world_size
-    act = max(replica[p]["activations"] + replica[p]["temporaries"] for p in ("forward", "backward"))
-    p, g, o = (2, 2, 12) if mixed_precision else (4, 4, 8)
-    state = {"DDP": p * n + g * n + o * n + g * n,          # + the bucket copy of the gradients
-             "ZeRO-1": p * n + g * n + o * n / W + g * n,
-             "ZeRO-2": p * n + g * n / W + o * n / W}
-    return {name: s + act for name, s in state.items()}
+    measured = replica.get("foreach")
+    if measured is not None and foreach is not None and bool(measured) != bool(foreach):
+        raise ValueError(f"replica_phases(foreach={foreach}): the replica was measured with foreach={measured}; its "
+                         "step temporaries are that setting's. Measure it again with measure_step(..., foreach=...)")
+    foreach = bool(measured if measured is not None else foreach)
+    n, W = replica["n_trainable"], world_size
+    o = 12 if mixed_precision else 8
+    g = 2 if mixed_precision else 4
+    held = replica["forward"]["optimizer_state"]          # the replica's AdamW state (its moments), every phase
+    out = {name: {} for name in ("DDP", "ZeRO-1", "ZeRO-2") + (("offload",) if mixed_precision else ())}
+    for phase in ("forward", "backward", "step"):
+        k = replica[phase]
+        temps = max(k["optimizer_state"] - held, 0) * (2 if mixed_precision else 1)   # the step's own buffers
+        rest = k["parameters"] + k["activations"] + k["temporaries"] + k["comm_buffers"]
+        grads = k["gradients"]
+        zero_temps = temps / W if foreach else temps
+        out["DDP"][phase] = rest + grads + o * n + temps + g * n
+        out["ZeRO-1"][phase] = rest + grads + o * n / W + zero_temps + g * n
+        bucket = min(BUCKET_BYTES, g * n) if phase == "backward" else 0         # one bucket, at most every gradient
+        out["ZeRO-2"][phase] = rest + grads / W + o * n / W + zero_temps + bucket
+        if mixed_precision:
+            out["offload"][phase] = rest + grads
+    return out
+
+
+def replica_strategies(replica, world_size, mixed_precision=False, foreach=None):
+    """Per-rank peaks, ``{strategy: bytes}``: the largest phase of ``replica_phases`` (which says what is counted)."""
+    return {name: max(ph.values()) for name, ph in
+            replica_phases(replica, world_size, mixed_precision=mixed_precision, foreach=foreach).items()}
+
+
+ADAMW_IMPLS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+# How far from linear a probe's two sizes may be (time at the probe over twice the time at half of it) before
+# cpu_adamw_seconds says its scaling is rough: AdamW does the same few operations on every element, so its time is
+# linear in the parameters once the tensors are large (here 2**20 elements each, as the 14 GB model's are 4M).
+LINEARITY_TOLERANCE = 0.25
+
+
+def _time_adamw_step(impl, numel, repeats, chunk=2 ** 20):
+    """Seconds of one AdamW step (``ADAMW_IMPLS[impl]``) over ``numel`` fp32 parameters in tensors of ``chunk``
+    elements, on this CPU with torch's threads: the least of ``repeats`` steps after a first one makes the state."""
+    sizes = [chunk] * (numel // chunk) + ([numel % chunk] if numel % chunk else [])
+    params = [torch.zeros(k, requires_grad=True) for k in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-4, **ADAMW_IMPLS[impl])
+    opt.step()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def cpu_adamw_seconds(n_params, probe_params=8 * 2 ** 20, impls=tuple(ADAMW_IMPLS), repeats=3, measure=None):
+    """One AdamW step over ``n_params`` fp32 parameters on this machine's CPU, by implementation: what offload's
+    CPU step costs every training step (ZeRO-Offload's master weights and moments live in host memory).
+
+    Measured at ``probe_params`` (8M: about 0.05 s a step with the for-loop on a laptop core) and at half of it,
+    scaled linearly to ``n_params``: ``seconds = t(probe) * n_params / probe``. ``measure(impl, numel)`` returns the
+    seconds of one step (default: ``_time_adamw_step`` with ``repeats``; a test passes its own). Returns
+    ``{impl: {"seconds": ..., "probe_seconds": ..., "linearity": t(probe) / (2 t(probe / 2)),
+    "linear": abs(linearity - 1) <= LINEARITY_TOLERANCE}}``."""
+    measure = measure or (lambda impl, numel: _time_adamw_step(impl, numel, repeats))
+    out = {}
+    for impl in impls:
+        half, full = measure(impl, probe_params // 2), measure(impl, probe_params)
+        linearity = full / (2 * half) if half > 0 else float("inf")
+        out[impl] = dict(seconds=full * n_params / probe_params, probe_seconds=full, linearity=linearity,
+                         linear=abs(linearity - 1) <= LINEARITY_TOLERANCE)
+    return out

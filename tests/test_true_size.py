@@ -9,8 +9,9 @@ import warnings
 import pytest
 import torch.distributed as dist
 
-from course_utils.true_size import (ARTICLE_14GB, LLAMA2_7B, MISTRAL_7B, LlamaShape, LlamaShaped, fake_world,
-                                    measure_step, replica_strategies, step_peak)
+from course_utils.true_size import (ARTICLE_14GB, BUCKET_BYTES, LINEARITY_TOLERANCE, LLAMA2_7B, MISTRAL_7B,
+                                    LlamaShape, LlamaShaped, cpu_adamw_seconds, fake_world, measure_step,
+                                    replica_phases, replica_strategies, step_peak)
 
 from conftest import register_by_value  # noqa: E402
 
@@ -166,3 +167,93 @@ def test_only_a_step_new_to_dtensor_s_caches_is_overcounted():
     real = first_step(False, True)
     assert first_step(True, True) > real + 1, "with empty caches, the fake first step counts DTensor's propagation"
     assert abs(first_step(True, False) - real) < 0.05, "with the caches full, the fake first step agrees"
+
+
+def _kinds(parameters=0, gradients=0, optimizer_state=0, activations=0, temporaries=0):
+    return dict(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state, activations=activations,
+                temporaries=temporaries, comm_buffers=0,
+                total=parameters + gradients + optimizer_state + activations + temporaries)
+
+
+# A measured replica of 100 trainable parameters, as measure_step reports one: its forward peak holds activations
+# and no gradient, its backward peak some gradients and backward's temporaries, its step every gradient and the
+# for-loop's temporaries (60 B of optimizer bytes beyond the forward's 800 B of moments).
+FP32_REPLICA = dict(n_trainable=100, param_dtype=None, autocast=False, foreach=False,
+                    forward=_kinds(400, 0, 800, 300), backward=_kinds(400, 250, 800, 0, 20), step=_kinds(400, 400, 860))
+# The same in pure bf16 (the mixed rows' replica): bf16 weights, gradients and moments.
+BF16_REPLICA = dict(n_trainable=100, param_dtype=None, autocast=False, foreach=False,
+                    forward=_kinds(200, 0, 400, 150), backward=_kinds(200, 100, 400, 50, 10), step=_kinds(200, 200, 430))
+
+
+def test_replica_rows_are_counted_phase_by_phase_byte_for_byte():
+    """Each row, each phase, counted by hand from the replica above (W = 2). A row that loses DDP's bucket (4 B a
+    parameter fp32, 2 B mixed, in every phase), adds the whole gradient to the forward's activations (the old count:
+    max(activations + temporaries) over phases plus all the state), shards the for-loop's temporaries, or steps the
+    mixed master in bf16, fails here."""
+    import torch
+
+    fp32 = replica_phases(FP32_REPLICA, 2)
+    assert fp32 == {
+        # weights 400 + activations/temporaries + gradients + moments 800 (or 400) + step temporaries 60 + bucket 400
+        "DDP": {"forward": 400 + 300 + 800 + 400, "backward": 400 + 20 + 250 + 800 + 400,
+                "step": 400 + 400 + 800 + 60 + 400},
+        "ZeRO-1": {"forward": 400 + 300 + 400 + 400, "backward": 400 + 20 + 250 + 400 + 400,
+                   "step": 400 + 400 + 400 + 60 + 400},
+        "ZeRO-2": {"forward": 400 + 300 + 400, "backward": 400 + 20 + 125 + 400 + 400,   # one bucket: every gradient
+                   "step": 400 + 200 + 400 + 60}}, fp32
+    assert replica_strategies(FP32_REPLICA, 2) == {"DDP": 2060, "ZeRO-1": 1660, "ZeRO-2": 420 + 125 + 400 + 400}
+    bf16 = dict(BF16_REPLICA, param_dtype=torch.bfloat16)
+    mixed = replica_phases(bf16, 2, mixed_precision=True)
+    assert mixed == {
+        # bf16 weights 200 + gradients + fp32 master and moments 1200 (or 600) + the master's temporaries 2 x 30
+        # + the bf16 bucket 200
+        "DDP": {"forward": 200 + 150 + 1200 + 200, "backward": 200 + 60 + 100 + 1200 + 200,
+                "step": 200 + 200 + 1200 + 60 + 200},
+        "ZeRO-1": {"forward": 200 + 150 + 600 + 200, "backward": 200 + 60 + 100 + 600 + 200,
+                   "step": 200 + 200 + 600 + 60 + 200},
+        "ZeRO-2": {"forward": 200 + 150 + 600, "backward": 200 + 60 + 50 + 600 + 200,
+                   "step": 200 + 100 + 600 + 60},
+        "offload": {"forward": 350, "backward": 360, "step": 400}}, mixed
+    with pytest.raises(ValueError, match="pure bf16"):
+        replica_phases(FP32_REPLICA, 2, mixed_precision=True)
+    big = dict(FP32_REPLICA, n_trainable=10 ** 8)             # more gradients than one bucket: one bucket at a time
+    assert replica_phases(big, 2)["ZeRO-2"]["backward"] == 400 + 20 + 125 + 8 * 10 ** 8 / 2 + BUCKET_BYTES
+
+
+def test_foreach_temporaries_are_sharded_with_the_state_and_the_setting_is_the_measured_one():
+    """With foreach=True the step's temporaries cover the list a rank steps: 1/W of them with ZeRO, all of them with
+    DDP. The setting is the replica's own: asking for another one is refused."""
+    fe = dict(FP32_REPLICA, foreach=True)
+    steps = {name: ph["step"] for name, ph in replica_phases(fe, 2).items()}
+    assert steps == {"DDP": 2060, "ZeRO-1": 400 + 400 + 400 + 30 + 400, "ZeRO-2": 400 + 200 + 400 + 30}, steps
+    with pytest.raises(ValueError, match="measured with foreach=True"):
+        replica_phases(fe, 2, foreach=False)
+    unrecorded = {k: v for k, v in FP32_REPLICA.items() if k != "foreach"}     # as will_it_fit.measure_replica's
+    assert replica_phases(unrecorded, 2, foreach=True)["ZeRO-1"]["step"] == 1630
+    assert replica_phases(unrecorded, 2)["ZeRO-1"]["step"] == 1660, "unrecorded and unsaid: the for-loop"
+    assert measure_step(TINY, strategy="replica", seq_len=8, foreach=True)["foreach"] is True
+
+
+def test_cpu_adamw_seconds_scales_the_probe_linearly():
+    """The scaling, with timings given (no clock in the assert): seconds = t(probe) x n / probe, the same ratio for
+    any n; a probe whose time is not proportional to its size (a fixed cost that dwarfs the work) is flagged."""
+    calls = []
+
+    def per_element(impl, numel):
+        calls.append((impl, numel))
+        return {"for-loop": 6e-9, "foreach": 4e-9, "fused": 1e-9}[impl] * numel
+
+    one = cpu_adamw_seconds(877_725_696, probe_params=2 ** 22, measure=per_element)
+    assert sorted({numel for _, numel in calls}) == [2 ** 21, 2 ** 22]
+    two = cpu_adamw_seconds(2 * 877_725_696, probe_params=2 ** 22, measure=per_element)
+    for impl, rate in (("for-loop", 6e-9), ("foreach", 4e-9), ("fused", 1e-9)):
+        assert one[impl]["seconds"] == pytest.approx(rate * 877_725_696, rel=1e-12)
+        assert two[impl]["seconds"] == pytest.approx(2 * one[impl]["seconds"], rel=1e-12)
+        assert one[impl]["linearity"] == pytest.approx(1) and one[impl]["linear"]
+    fixed_cost = cpu_adamw_seconds(10 ** 9, probe_params=2 ** 22, measure=lambda impl, numel: 0.05 + 1e-9 * numel)
+    assert all(abs(r["linearity"] - 1) > LINEARITY_TOLERANCE and not r["linear"] for r in fixed_cost.values())
+    # and the real clock: every implementation runs at a tiny probe and reports its own arithmetic
+    real = cpu_adamw_seconds(10 ** 9, probe_params=2 ** 14, repeats=1)
+    assert set(real) == {"for-loop", "foreach", "fused"}
+    for r in real.values():
+        assert r["probe_seconds"] > 0 and r["seconds"] == pytest.approx(r["probe_seconds"] * 10 ** 9 / 2 ** 14)
