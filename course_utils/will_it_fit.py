@@ -21,7 +21,9 @@ How each row is found (the ``how`` column says which):
 - **counted on a measured replica**: ZeRO-1 and ZeRO-2, and every mixed-precision replica row, from
   ``true_size.replica_strategies`` (the ZeRO paper's 2 + 2 + 12 bytes on a replica measured in pure bf16).
 - **counted: needs a GPU**: QLoRA's 4-bit base (NF4 with double quantisation, 4.127 bits per weight), counted from
-  the bf16-base LoRA row as lesson 16 counts it: bitsandbytes has no CPU kernels to measure.
+  the bf16-base LoRA row as lesson 16 counts it: bitsandbytes has no CPU kernels to measure. The parameters that
+  are not 4-bit (embedding, ``lm_head``, norms, biases) count at fp32's 4 B: the printed recipe's
+  ``prepare_model_for_kbit_training`` casts them to fp32 (``qlora_base_bytes``).
 
 A row fits when its peak is at most ``USABLE`` (85%) of the card: the rest is for what no tensor meter sees (CUDA
 context, the allocator's cache and fragmentation, NCCL's buffers), as lessons 14 and 16 keep it. The cheapest plan
@@ -45,7 +47,7 @@ from course_utils.true_size import (ARTICLE_14GB, GiB, LLAMA2_7B, MISTRAL_7B, Ll
 
 __all__ = ["MODELS", "CARDS", "USABLE", "SUPPORTED", "resolve_model", "shape_from_config", "parse_cards",
            "will_it_fit", "Plan", "Row", "measure_replica", "extend_by_blocks", "tiny_like", "check_plan",
-           "WillItFitError"]
+           "WillItFitError", "check_inputs", "qlora_counts", "qlora_base_bytes", "CARD_SIZES", "DEFAULT_SIZE", "MAX_CARDS"]
 
 USABLE = 0.85
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -69,6 +71,10 @@ MODELS = {
     "article-14gb": (ARTICLE_14GB, None),          # the article's model: a shape, no published weights
 }
 STRATEGY_ORDER = ("DDP", "ZeRO-1", "ZeRO-2", "FSDP2")
+NODE = 8                 # cards in a node: the search for more cards tries 2 ... 8, then whole nodes of 8
+MAX_CARDS = 64           # the default upper bound of that search (8 nodes of 8); max_cards (--max-cards) raises it
+MAX_CARDS_LIMIT = 1024   # ... up to this
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")   # every decoder linear
 
 
 class WillItFitError(ValueError):
@@ -119,6 +125,19 @@ def _hub_config(repo_id):
                              "download config.json and pass its path") from None
 
 
+def _read_config(path, name):
+    try:
+        config = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise WillItFitError(f"{name}: not valid JSON{where}: give a transformers config.json, as the hub "
+                             "has it") from None
+    if not isinstance(config, dict):
+        raise WillItFitError(f"{name}: a JSON {type(config).__name__}, not an object: give a transformers "
+                             "config.json, as the hub has it")
+    return config
+
+
 def resolve_model(name):
     """``(LlamaShape, what --model of scripts/finetune_lora.py loads or None)`` for a known name (``MODELS``, or
     the hub name of one: no download), a local ``config.json`` (or a folder holding one), or a hub name (its
@@ -131,11 +150,10 @@ def resolve_model(name):
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        config = json.loads(path.read_text())
-        return shape_from_config(config, str(path)), str(path.parent)
+        return shape_from_config(_read_config(path, str(path)), str(path)), str(path.parent)
     if "/" in name and not path.suffix and len(name.split("/")) == 2:
         config_path = _hub_config(name)
-        return shape_from_config(json.loads(config_path.read_text()), name), name
+        return shape_from_config(_read_config(config_path, name), name), name
     raise WillItFitError(f"unknown model {name!r}: give one of {', '.join(MODELS)}, a config.json of a "
                          f"{'/'.join(SUPPORTED)}, or a hub name such as Qwen/Qwen2.5-3B")
 
@@ -371,6 +389,26 @@ def _phases(r, extra=0):
     return {p: r[p]["total"] + extra for p in ("forward", "backward", "step")}
 
 
+def qlora_counts(shape):
+    """``(4-bit, other)``: the base's parameters bitsandbytes stores in 4 bits (the weight of every decoder linear,
+    ``q_proj`` ... ``down_proj``) and the rest (the embedding, ``lm_head``, which transformers keeps unquantised, the
+    RMSNorm weights, Qwen2's q/k/v biases)."""
+    linears = shape.n_params - (1 if shape.tie_embeddings else 2) * shape.vocab_size * shape.d_model \
+        - (2 * shape.n_layer + 1) * shape.d_model
+    if shape.qkv_bias:
+        linears -= shape.n_layer * (shape.n_head + 2 * shape.n_kv_head) * shape.dims_per_head
+    return linears, shape.n_params - linears
+
+
+def qlora_base_bytes(shape):
+    """The frozen base's bytes as the printed QLoRA recipe keeps them: 4-bit linears (NF4 with double quantisation,
+    ``NF4_BITS`` per weight) and every other parameter in fp32, 4 B, since peft's ``prepare_model_for_kbit_training``
+    casts every parameter that is not 4-bit to fp32 (peft/utils/other.py). tests/test_will_it_fit_qlora.py pins it
+    for Llama-3-8B."""
+    four_bit, other = qlora_counts(shape)
+    return four_bit * NF4_BITS / 8 + 4 * other
+
+
 def _rows(shape, method, W, results, precision):
     rows = []
     for ckpt in (False, True):
@@ -403,13 +441,9 @@ def _rows(shape, method, W, results, precision):
                 ph = _phases(rep, bucket)
                 rows.append(Row("lora", prec, "DDP", ckpt, W, ph, max(ph.values()),
                                 rep["how"] + (" + bucket" if bucket else "")))
-                if method == "qlora":
-                    layer_linears = shape.n_params - (1 if shape.tie_embeddings else 2) * shape.vocab_size * \
-                        shape.d_model - (2 * shape.n_layer + 1) * shape.d_model
-                    if shape.qkv_bias:
-                        layer_linears -= shape.n_layer * (shape.n_head + 2 * shape.n_kv_head) * shape.dims_per_head
-                    saved = layer_linears * ((2 if precision == "mixed" else 4) - NF4_BITS / 8)
-                    ph4 = {p: b - saved for p, b in ph.items()}
+                if method == "qlora":     # the measured base's bytes replaced by the 4-bit recipe's
+                    shift = qlora_base_bytes(shape) - shape.n_params * (2 if precision == "mixed" else 4)
+                    ph4 = {p: b + shift for p, b in ph.items()}
                     rows.append(Row("qlora", "4-bit base", "DDP", ckpt, W, ph4, max(ph4.values()),
                                     "counted: needs a GPU"))
             if fsdp is not None:
@@ -437,6 +471,7 @@ class Plan:
     smallest: Row = None     # when nothing fits on ``cards``: the plan on the fewest cards that fits
     seconds: float = 0.0
     results: dict = None     # the measurements the rows were made from, by job name
+    max_cards: int = MAX_CARDS   # the bound of the search for more cards
 
     @property
     def card_bytes(self):
@@ -517,8 +552,8 @@ class Plan:
                 lines.append(f"Smallest card count that fits: {r.world_size} cards of {self.card_gib:g} GiB, with "
                              f"{r.precision} {r.label}: {r.peak / gib:.2f} GiB per card ({r.how}).")
             else:
-                lines.append("No card count fits: one micro-batch's activations alone exceed the margin; lower "
-                             "--seq-len or --micro-batch, or use larger cards.")
+                lines.append(f"No card count up to {self.max_cards} fits (--max-cards): lower --seq-len or "
+                             "--micro-batch, or use larger cards.")
         cmd, note = self.command()
         if cmd:
             lines += ["Run it with:", "    " + cmd, f"  ({note})"]
@@ -546,7 +581,7 @@ def _stderr_line(done, total, name):
 
 
 def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=16, targets=("q_proj", "v_proj"),
-                precision="mixed", workers=None, say=_stderr_line, max_cards=1024, checkpoints=(False, True)):
+                precision="mixed", workers=None, say=_stderr_line, max_cards=MAX_CARDS, checkpoints=(False, True)):
     """Measure ``model`` (see ``resolve_model``) on ``cards`` (see ``parse_cards``) and pick a plan; returns a
     ``Plan`` (``plan.report()``: the table, the plan and its command). ``method``: ``"full"``, ``"lora"`` or
     ``"qlora"``; ``precision``: ``"mixed"`` (bf16 compute: the ZeRO paper's 2 + 2 + 12 bytes for full fine-tuning, a
@@ -554,19 +589,20 @@ def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=
     ``workers``: processes that measure at once (default: 2 when the machine has
     them and the model is deep; the rows share every measurement they can). ``say(done, total, running)``: a
     progress line (default: on stderr; None: only the progress bar, as in a lesson). When nothing fits, FSDP2 (and
-    the counted ZeRO rows) are tried on more cards, to find the fewest that fit."""
+    the counted ZeRO rows) are tried on more cards, to find the fewest that fit: 2 ... 8, then whole nodes of 8, up
+    to ``max_cards``. Every input is checked before anything is measured (``check_inputs``)."""
     t0 = time.perf_counter()
     say = say or (lambda done, total, running: None)
-    if method not in ("full", "lora", "qlora"):
-        raise WillItFitError(f"--method {method!r}: use full, lora or qlora")
-    if precision not in ("mixed", "fp32"):
-        raise WillItFitError(f"--precision {precision!r}: use mixed or fp32")
+    targets = tuple(targets)
+    check_inputs(method=method, precision=precision, seq_len=seq_len, micro_batch=micro_batch, lora_r=lora_r,
+                 targets=targets, workers=workers, max_cards=max_cards)
     shape, source = (model, None) if isinstance(model, LlamaShape) else resolve_model(model)
-    count, gib, label = parse_cards(cards) if isinstance(cards, str) else (cards[0], float(cards[1]),
-                                                                            f"{cards[0]} x {cards[1]:g} GiB")
+    count, gib, label = parse_cards(cards) if isinstance(cards, str) else _card_pair(cards)
+    if count > max_cards:
+        raise WillItFitError(f"--cards: {count} cards is more than the search's bound of {max_cards}: give at most "
+                             f"{max_cards} cards, or raise --max-cards (up to {MAX_CARDS_LIMIT})")
     if workers is None:
         workers = 2 if (os.cpu_count() or 1) >= 2 and shape.n_layer > 8 else 1
-    targets = tuple(targets)
     kw = dict(seq_len=seq_len, micro_batch=micro_batch, lora_r=lora_r, targets=targets, precision=precision)
     jobs = _jobs(shape, method, count, checkpoints=tuple(checkpoints), **kw)
     jobs = dict(sorted(jobs.items(), key=lambda kv: kv[1][0] == "replica"))   # the long FSDP2 steps first
@@ -574,7 +610,7 @@ def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=
     rows = _rows(shape, method, count, results, precision)
     plan = Plan(getattr(model, "name", model), shape, source, method, count, gib, label, seq_len, micro_batch,
                 lora_r, targets, precision, rows)
-    plan.results = results
+    plan.results, plan.max_cards = results, max_cards
     plan.chosen = _pick(rows, plan.card_bytes)
     if plan.chosen is None:
         plan.smallest = _smallest(plan, results, kw, workers, say, max_cards)
@@ -582,14 +618,62 @@ def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=
     return plan
 
 
+def _positive_int(flag, value, what, example=""):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise WillItFitError(f"{flag} {value!r}: give {what}, a whole number of at least 1"
+                             + (f" (as in {flag} {example})" if example else ""))
+
+
+def check_inputs(method="lora", precision="mixed", seq_len=512, micro_batch=1, lora_r=16,
+                 targets=("q_proj", "v_proj"), workers=None, max_cards=MAX_CARDS):
+    """Refuse a bad input before anything is measured, in one line saying what to give (``WillItFitError``);
+    tests/test_will_it_fit_inputs.py runs each through scripts/will_it_fit.py."""
+    if method not in ("full", "lora", "qlora"):
+        raise WillItFitError(f"--method {method!r}: use full, lora or qlora")
+    if precision not in ("mixed", "fp32"):
+        raise WillItFitError(f"--precision {precision!r}: use mixed or fp32")
+    _positive_int("--seq-len", seq_len, "the tokens per sequence", 512)
+    _positive_int("--micro-batch", micro_batch, "the sequences per card per forward", 1)
+    if workers is not None:
+        _positive_int("--workers", workers, "the processes measuring at once", 2)
+    _positive_int("--max-cards", max_cards, f"the most cards to search, at most {MAX_CARDS_LIMIT}", MAX_CARDS)
+    if max_cards > MAX_CARDS_LIMIT:
+        raise WillItFitError(f"--max-cards {max_cards}: give at most {MAX_CARDS_LIMIT} (the default: {MAX_CARDS})")
+    if method != "full":
+        _positive_int("--lora-r", lora_r, "LoRA's rank", 16)
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets:
+            raise WillItFitError(f"--targets {','.join(targets)!r}: "
+                                 + (f"no layer {', '.join(unknown)} in a Llama-family decoder" if unknown
+                                    else "no layer named") + f"; give some of {','.join(LORA_TARGETS)}")
+
+
+def _card_pair(cards):
+    try:
+        count, gib = cards
+    except (TypeError, ValueError):
+        raise WillItFitError(f"cards {cards!r}: give a string such as '2 x RTX 3060' or (count, GiB)") from None
+    _positive_int("--cards", count, "the number of cards")
+    if not 0 < gib <= MAX_CARD_GIB:
+        raise WillItFitError(f"cards {cards!r}: a card's memory must be more than 0 and at most {MAX_CARD_GIB} GiB")
+    return count, float(gib), f"{count} x {gib:g} GiB"
+
+
+def _card_counts(cards, max_cards):
+    """The card counts the search tries above ``cards``: one node's 2 ... 8, then whole nodes of 8."""
+    return [W for W in range(2, max_cards + 1) if W > cards and (W <= NODE or W % NODE == 0)]
+
+
 def _smallest(plan, results, kw, workers, say, max_cards):
-    """The plan on the fewest cards (more than ``plan.cards``) that fits: ZeRO rows counted on the replicas already
-    measured, FSDP2 with checkpointing measured per card count (doubling, then halving the gap)."""
+    """The plan on the fewest cards (more than ``plan.cards``, among ``_card_counts``: 2 ... 8, then whole nodes of 8,
+    up to ``max_cards``) that fits: ZeRO rows counted on the replicas already measured, FSDP2 with checkpointing
+    measured per card count (the largest count first, then halving the gap)."""
     card, method, shape = plan.card_bytes, plan.method, plan.shape
+    counts = _card_counts(plan.cards, max_cards)
     reps = {k: v for k, v in results.items() if k.startswith("replica")}
     best = None
     if method == "full" and reps:
-        for W in range(max(plan.cards + 1, 2), max_cards + 1):
+        for W in counts:
             fit = [r for r in _rows(shape, method, W, reps, plan.precision)
                    if r.same_training and r.strategy != "DDP" and r.fits(card)]
             if fit:
@@ -604,26 +688,17 @@ def _smallest(plan, results, kw, workers, say, max_cards):
 
     if method == "qlora":
         return None
-    lo, hi, hi_row = plan.cards, None, None
-    limit = best.world_size - 1 if best else max_cards
-    W = max(2 * plan.cards, 2)
-    while W <= limit:
-        row = fsdp_at(W)
-        if row.fits(card):
-            hi, hi_row = W, row
-            break
-        lo, W = W, 2 * W
-    if hi is None and limit > lo and (best is None or limit < max_cards):
-        W = limit
-        if W > lo:
-            row = fsdp_at(W)
-            if row.fits(card):
-                hi, hi_row = W, row
-    if hi is None:
+    if best is not None:
+        counts = [W for W in counts if W < best.world_size]
+    if not counts:
         return best
+    hi_row = fsdp_at(counts[-1])
+    if not hi_row.fits(card):
+        return best
+    lo, hi = -1, len(counts) - 1          # counts[hi] fits; counts[lo] does not (-1: plan.cards)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        row = fsdp_at(mid)
+        row = fsdp_at(counts[mid])
         if row.fits(card):
             hi, hi_row = mid, row
         else:

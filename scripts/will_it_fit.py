@@ -26,11 +26,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from course_utils.will_it_fit import MODELS, WillItFitError, check_plan, will_it_fit  # noqa: E402
+from course_utils.will_it_fit import MAX_CARDS, MODELS, WillItFitError, check_plan, will_it_fit  # noqa: E402
+
+VALUED = ("--model", "--cards", "--method", "--seq-len", "--micro-batch", "--precision", "--lora-r", "--targets",
+          "--workers", "--max-cards")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors in one line on stderr, as the tool's own (tests/test_will_it_fit_inputs.py)."""
+
+    def error(self, message):
+        self.exit(2, f"will_it_fit: {message} (python scripts/will_it_fit.py --help lists the options)\n")
+
+
+def _join_values(argv):
+    """``--cards -1x24`` as ``--cards=-1x24``: argparse would take a value starting with '-' for an option and
+    answer "expected one argument"; joined, the tool itself says what is wrong with the value."""
+    out, argv = [], list(argv)
+    while argv:
+        word = argv.pop(0)
+        if word in VALUED and argv:
+            word = f"{word}={argv.pop(0)}"
+        out.append(word)
+    return out
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"{', '.join(MODELS)}, a config.json (or its folder), or a hub name")
     p.add_argument("--cards", required=True, help="count x memory (2x16GiB) or count x a card's name ('2 x RTX 3060', "
                                                   "2xrtx3060-8gb, 8xA100-80); one card: 'RTX 4090'")
@@ -43,9 +65,12 @@ def parse_args(argv=None):
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--targets", default="q_proj,v_proj", help="LoRA's target modules, comma-separated")
     p.add_argument("--workers", type=int, default=None, help="processes measuring at once (default: 2 if there are)")
+    p.add_argument("--max-cards", type=int, default=MAX_CARDS,
+                   help="when nothing fits, the most cards searched (2 ... 8, then whole nodes of 8; default "
+                        f"{MAX_CARDS})")
     p.add_argument("--check", action="store_true",
                    help="run the chosen plan at tiny scale on 2 CPU ranks (gloo) against one process")
-    return p.parse_args(argv)
+    return p.parse_args(_join_values(sys.argv[1:] if argv is None else argv))
 
 
 def main(argv=None):
@@ -55,7 +80,7 @@ def main(argv=None):
     try:
         plan = will_it_fit(args.model, args.cards, method=args.method, seq_len=args.seq_len,
                            micro_batch=args.micro_batch, lora_r=args.lora_r, targets=targets,
-                           precision=args.precision, workers=args.workers)
+                           precision=args.precision, workers=args.workers, max_cards=args.max_cards)
     except WillItFitError as exc:
         print(f"will_it_fit: {exc}", file=sys.stderr)
         return 2
