@@ -427,13 +427,14 @@ def cpu_adamw_seconds(n_params, probe_params=8 * 2 ** 20, impls=tuple(ADAMW_IMPL
     Measured at ``probe_params`` (8M: about 0.05 s a step with the for-loop on a laptop core) and at half of it,
     scaled linearly to ``n_params``: ``seconds = t(probe) * n_params / probe``. ``measure(impl, numel)`` returns the
     seconds of one step (default: ``_time_adamw_step`` with ``repeats``; a test passes its own). Returns
-    ``{impl: {"seconds": ..., "probe_seconds": ..., "linearity": t(probe) / (2 t(probe / 2)),
+    ``{impl: {"seconds": ..., "probe_seconds": ..., "probe_params": ..., "linearity": t(probe) / (2 t(probe / 2)),
     "linear": abs(linearity - 1) <= LINEARITY_TOLERANCE}}``."""
     measure = measure or (lambda impl, numel: _time_adamw_step(impl, numel, repeats))
     out = {}
     for impl in impls:
         half, full = measure(impl, probe_params // 2), measure(impl, probe_params)
         linearity = full / (2 * half) if half > 0 else float("inf")
-        out[impl] = dict(seconds=full * n_params / probe_params, probe_seconds=full, linearity=linearity,
+        out[impl] = dict(seconds=full * n_params / probe_params, probe_seconds=full, probe_params=probe_params,
+                         linearity=linearity,
                          linear=abs(linearity - 1) <= LINEARITY_TOLERANCE)
     return out
