@@ -197,3 +197,57 @@ def check_fsdp_bytes_prediction(prediction, measured, resharded):
         f"{prediction} is too much: without resharding, which collectives are left in forward, in backward and in "
         "the step? Add up what each sends ((n-1)/n x S for an all-gather or a reduce-scatter of every parameter) "
         "and divide by DDP's 2(n-1)/n x S.")
+
+
+# -- 14_will_it_fit's exercise: ZeRO-2's peak at W = 4, counted piece by piece ---------------------------------
+UNIT_BYTES_PER_PARAM = 16 / 14      # 14 units = the model's training state, 16 bytes a parameter
+
+
+def _zero2_peak_bytes_per_param(world_size, *, bucket=True, gloo_copy=True, shard_weights=False, shard_moments=True):
+    """ZeRO-2's peak in bytes a parameter, at its one bucket's reduce-scatter (14_will_it_fit's reveal): the fp32
+    weights, the moments' share, the bucket, gloo's copy of the bucket, and the output shard."""
+    weights = 4 / world_size if shard_weights else 4
+    moments = 8 / world_size if shard_moments else 8
+    return weights + moments + 4 * bucket + 4 * gloo_copy + 4 / world_size
+
+
+def solution_zero2_peak_units(world_size=4):
+    """The course's answer to 14_will_it_fit's exercise, in units of the headline (14 units = 16 B/param)."""
+    return _zero2_peak_bytes_per_param(world_size) / UNIT_BYTES_PER_PARAM
+
+
+def check_zero2_peak_units(answer, world_size=4):
+    """14_will_it_fit's exercise: ``answer``, ZeRO-2's peak per rank at ``world_size`` in the lesson's units.
+
+    Accepts any value within 0.01 units of the count (a figure copied from a print with 2 decimals passes);
+    a wrong count gets the piece it is missing or has too much of."""
+    if answer is None:
+        raise AssertionError("zero2_at_4 is still None: count ZeRO-2's peak at W = 4 in units, piece by piece "
+                             "(the reveal after section 1's table did it for W = 2), and assign the number")
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        raise AssertionError(f"zero2_at_4 should be a number of units, got {type(answer).__name__} {answer!r}")
+    right = solution_zero2_peak_units(world_size)
+    if abs(answer - right) <= 0.01:
+        return (f"ZeRO-2 at W = {world_size}: 4 (weights) + 8/{world_size} (moments) + 4 (bucket) + 4 (gloo's copy) "
+                f"+ 4/{world_size} (output) = {_zero2_peak_bytes_per_param(world_size):g} B/param = {right:.3f} units: "
+                "only the moments and the output shrink with W; the bucket and gloo's copy stay whole")
+    wrong = {
+        "the bucket and gloo's copy": dict(bucket=False, gloo_copy=False),
+        # one of the two whole-gradient buffers (the same count either way)
+        "gloo's copy of the bucket, or the bucket itself (each a whole gradient)": dict(gloo_copy=False),
+    }
+    for missing, kwargs in wrong.items():
+        if abs(answer - _zero2_peak_bytes_per_param(world_size, **kwargs) / UNIT_BYTES_PER_PARAM) <= 0.01:
+            raise AssertionError(f"{answer} units leaves out {missing}: both are alive at the reduce-scatter's wait()")
+    if abs(answer - _zero2_peak_bytes_per_param(world_size, shard_weights=True) / UNIT_BYTES_PER_PARAM) <= 0.01:
+        raise AssertionError(f"{answer} units shards the weights: ZeRO-2 keeps every rank's fp32 weights whole "
+                             "(sharding them is ZeRO-3 / FSDP)")
+    if abs(answer - _zero2_peak_bytes_per_param(world_size, shard_moments=False) / UNIT_BYTES_PER_PARAM) <= 0.01:
+        raise AssertionError(f"{answer} units keeps the moments whole: ZeRO-1 and ZeRO-2 shard Adam's moments over W")
+    if abs(answer - solution_zero2_peak_units(2)) <= 0.01 and world_size != 2:
+        raise AssertionError(f"{answer} units is the W = 2 count: redo the shares with W = {world_size}")
+    if abs(answer - _zero2_peak_bytes_per_param(world_size)) <= 0.01:
+        raise AssertionError(f"{answer} is in bytes per parameter: divide by 16/14, the bytes a parameter of one unit")
+    raise AssertionError(f"{answer} units is not ZeRO-2's peak at W = {world_size}: add the weights, the moments' "
+                         "share, the bucket, gloo's copy of it and the reduce-scatter's output, each in units "
+                         "(16 B/param = 14 units)")
