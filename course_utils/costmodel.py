@@ -382,7 +382,9 @@ def agreement(rows, predictions, band=2.0, alone=None):
     notebook shows after "Measured here:" (tests/sanitize.cfg's rule for sentences chosen from timings).
     ``alone``: the median seconds of the same all-reduce timed alone in the same run (``allreduce_spread``),
     compared with the model's all-reduce. Introduced in 10_tradeoffs."""
-    ratios = [(r["compute"] + r["comm"] + r["update"]) / p.total for r, p in zip(rows, predictions)]
+    # the measured step as the table prints it and plot_agreement draws it (its own median over the repeats, which
+    # is not the sum of the phases' medians); rows without one (hand-made in tests) add their phases
+    ratios = [r.get("step", r["compute"] + r["comm"] + r["update"]) / p.total for r, p in zip(rows, predictions)]
     phase = {
         "compute": _median([r["compute"] / p.compute for r, p in zip(rows, predictions)]),
         "all-reduce": _median([r["comm"] / p.comm for r, p in zip(rows, predictions)]),
@@ -400,14 +402,14 @@ def agreement(rows, predictions, band=2.0, alone=None):
         band_text = (f"{facts['within']} of {n} configurations lie inside the grey band (within {band:g}x); "
                      f"{n - facts['within']} lie outside it.")
     if facts["above"] == n:
-        side = (f"Every point sits above the diagonal: the model is **optimistic**, measured steps take "
+        side = (f"Every configuration sits above the diagonal: the model is **optimistic**, measured steps take "
                 f"{facts['median']:.2g}x its prediction (median).")
     elif facts["above"] == 0:
-        side = (f"Every point sits below the diagonal: the model is **pessimistic**, measured steps take "
+        side = (f"Every configuration sits below the diagonal: the model is **pessimistic**, measured steps take "
                 f"{facts['median']:.2g}x its prediction (median).")
     else:
-        side = (f"{facts['above']} points sit above the diagonal and {n - facts['above']} below: no systematic "
-                f"bias, median measured / predicted {facts['median']:.2g}x.")
+        side = (f"Of the {n} configurations, {facts['above']} sit above the diagonal and {n - facts['above']} "
+                f"below: no systematic bias, median measured / predicted {facts['median']:.2g}x.")
     by_phase = ", ".join(f"{k} {v:.2g}x" for k, v in phase.items())
     worst = facts["worst"]
     text = (f"{band_text} {side} Phase by phase (median of measured / model): {by_phase}. "
@@ -458,9 +460,13 @@ def describe(cal):
 
 
 # -- memory (the FAQ) ------------------------------------------------------------------------------
+GIB = 2 ** 30  # a card sold as "8 GB" holds 8 GiB (nvidia-smi: 8192MiB): compare memory with GiB
+
+
 def memory_per_rank(params, world_size=1, strategy="ddp", *, weight_bytes=4, grad_bytes=None,
-                    optimizer_bytes=8, trainable_params=None):
-    """GB of model state on one rank: weights + gradients + optimizer state. Activations not counted.
+                    optimizer_bytes=8, trainable_params=None, unit=1e9):
+    """Model state on one rank, in ``unit`` bytes (GB by default; ``unit=GIB`` beside a card's size):
+    weights + gradients + optimizer state. Activations not counted.
 
     ``optimizer_bytes`` per trainable parameter: 8 for Adam's two fp32 moments, 12 with mixed
     precision's fp32 master copy. ``trainable_params``: fewer than ``params`` for LoRA (frozen
@@ -474,7 +480,7 @@ def memory_per_rank(params, world_size=1, strategy="ddp", *, weight_bytes=4, gra
     if strategy not in shard:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(shard)}")
     sw, sg, so = shard[strategy]
-    return (params * weight_bytes / sw + trainable * grad_bytes / sg + trainable * optimizer_bytes / so) / 1e9
+    return (params * weight_bytes / sw + trainable * grad_bytes / sg + trainable * optimizer_bytes / so) / unit
 
 
 # -- plots --------------------------------------------------------------------------------------
@@ -772,48 +778,88 @@ def check_accum_steps(answer, cal, *, world_size, params, micro_batch, share=0.1
             f"reaches {share:.0%}.")
 
 
-def straggler_step_solution(timed_step):
-    """Exercise 2's solution: one ``timed_step(16, 1)`` in which rank 0 sleeps 0.25 s after its backward.
-
-    Runs on every rank; returns ``(t_compute, t_step)``."""
-    import torch.distributed as dist
-
-    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25 if dist.get_rank() == 0 else 0.0)
-    return t_compute, t_step
+SHARE_TRIALS = ((24, 8), (5, 11))  # samples per rank in each of check_weighted_sync's trials (rank r: trial[r % 2])
 
 
-def check_straggler(t_compute, t_step, *, slow_rank=0, delay_s=0.25):
-    """Self-check of 10_tradeoffs exercise 2, run on every rank: ``slow_rank`` slept ``delay_s`` before
-    the all-reduce, no other rank did, and every rank's step outlasts the slowest compute (so the
-    others waited for it inside the all-reduce). Raises ``AssertionError`` with what is wrong.
+def weighted_sync_solution(model, n_local):
+    """Exercise 2's solution: after ``backward()`` of this rank's mean loss over its ``n_local`` samples, make every
+    ``.grad`` the gradient of the mean loss over all ranks' samples: weigh by ``n_local``, sum, divide by the total.
 
-    Only the sleep and the all-reduce are timed against each other: a step's compute on a busy
-    machine can take tens of ms, so the sleep (0.25 s) is long enough that no rank's own compute
-    reaches it, and the order "step ends after the slowest compute" holds on any load."""
-    __tracebackhide__ = True  # noqa: F841
+    Runs on every rank. Introduced in 10_tradeoffs."""
     import torch
     import torch.distributed as dist
 
-    if t_compute is None or t_step is None:
-        raise AssertionError("my_straggler_step must return (t_compute, t_step): this rank's seconds from the "
-                             "common start to the end of its compute and to the end of its step.")
-    mine = torch.tensor([float(t_compute), float(t_step)], dtype=torch.float64)
-    everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    compute = [t[0].item() for t in everyone]
-    step = [t[1].item() for t in everyone]
-    if compute[slow_rank] < delay_s:
-        raise AssertionError(
-            f"rank {slow_rank}'s compute took {compute[slow_rank]:.3f} s, less than a {delay_s:g} s "
-            f"sleep: make rank {slow_rank} (and only it) sleep after its backward and before the all-reduce, "
-            "e.g. with timed_step's delay_s.")
-    slept = [r for r in range(len(compute)) if r != slow_rank and compute[r] >= delay_s]
-    if slept:
-        raise AssertionError(
-            f"rank {slept[0]} also computed for at least {delay_s:g} s: only rank {slow_rank} should be the "
-            f"straggler (delay_s only where rank == {slow_rank}).")
-    late = [r for r in range(len(step)) if step[r] < max(compute)]
-    if late:
-        raise AssertionError(
-            f"rank {late[0]}'s t_step ends before rank {slow_rank}'s compute does: t_step must be taken after "
-            "the all-reduce (and the update), which cannot finish before every rank has arrived.")
+    total = torch.tensor([float(n_local)], dtype=torch.float64)
+    dist.all_reduce(total)
+    for p in model.parameters():
+        p.grad.mul_(n_local)
+        dist.all_reduce(p.grad)
+        p.grad.div_(total.item())
+
+
+def _share_grads(model_fn, x, y):
+    import torch
+
+    model = model_fn()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return model, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def check_weighted_sync(sync, *, d_in=8, d_hidden=16):
+    """Self-check of 10_tradeoffs exercise 2, run on every rank: ``sync(model, n_local)``, called after
+    ``backward()`` of each rank's mean loss over its own ``n_local`` samples (the ranks hold different counts),
+    must leave on every rank the gradient of the mean loss over all ranks' samples, as one process computes it.
+    Two trials with other shares (``SHARE_TRIALS``), so a total written as a number fails the second. A wrong
+    result is compared with what the typical mistakes give (the rank's own gradient, the plain average, the sum,
+    a division by the number of ranks) to name the mistake. Raises ``AssertionError``; quiet when right."""
+    __tracebackhide__ = True  # noqa: F841
+    import torch
+    import torch.distributed as dist
+    from course_utils.models import make_model
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model_fn = functools.partial(make_model, 0, d_in=d_in, d_hidden=d_hidden)
+    for trial, shares in enumerate(SHARE_TRIALS):
+        counts = [shares[r % len(shares)] for r in range(world_size)]
+        g = torch.Generator().manual_seed(trial)
+        x, y = torch.randn(sum(counts), d_in, generator=g), torch.randn(sum(counts), 1, generator=g)
+        starts = [sum(counts[:r]) for r in range(world_size)]
+        own = [_share_grads(model_fn, x[s:s + n], y[s:s + n])[1] for s, n in zip(starts, counts)]
+        reference = _share_grads(model_fn, x, y)[1]
+        model, _ = _share_grads(model_fn, x[starts[rank]:starts[rank] + counts[rank]],
+                                y[starts[rank]:starts[rank] + counts[rank]])
+        sync(model, counts[rank])
+        if any(p.grad is None for p in model.parameters()):
+            raise AssertionError("after my_weighted_sync a parameter's .grad is None: change the gradients in "
+                                 "place (p.grad), do not remove them.")
+        got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+        def close(a, b):
+            return torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+        if close(got, reference):
+            continue
+        where = f"with {' and '.join(map(str, counts))} samples on the {world_size} ranks"
+        weighted = sum(n * o for n, o in zip(counts, own))
+        if close(got, own[rank]):
+            why = ("the gradient is still this rank's own: nothing was all-reduced. Every rank must end with the "
+                   "gradient over every rank's samples.")
+        elif close(got, sum(own) / world_size):
+            why = (f"you averaged the ranks' mean gradients with equal weights, so rank 0's {counts[0]} samples "
+                   f"count as much as rank 1's {counts[1]}. Each rank's mean gradient stands for n_local samples: "
+                   "weigh it by that.")
+        elif close(got, sum(own)):
+            why = "you summed the ranks' mean gradients and never divided: that is no mean over the samples."
+        elif close(got, weighted / world_size):
+            why = ("you weighed each rank by n_local but divided by the number of ranks: divide by the total "
+                   "number of samples, which no rank knows alone.")
+        elif close(got, weighted):
+            why = "you weighed each rank by n_local and summed, but never divided by the total number of samples."
+        elif trial > 0 and close(got, weighted / sum(SHARE_TRIALS[0][r % 2] for r in range(world_size))):
+            why = ("your total is the first trial's, written as a number: the shares change, so the total must come "
+                   "from the ranks (all-reduce n_local).")
+        else:
+            err = ((got - reference).norm() / reference.norm()).item()
+            why = (f"the gradient is off the one-process gradient over all {sum(counts)} samples by a relative "
+                   f"{err:.1e}.")
+        raise AssertionError(f"rank {rank}, {where}: {why}")

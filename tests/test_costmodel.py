@@ -3,6 +3,7 @@
     .venv/bin/python -m pytest tests/test_costmodel.py -p no:randomly
 """
 import base64
+import types
 import math
 import random
 
@@ -317,3 +318,44 @@ def test_agreement_compares_the_all_reduce_alone_with_the_model():
     assert "close to the model's" in text and "\n" not in text
     _, text = costmodel.agreement(rows, predictions)
     assert "timed alone" not in text
+
+
+def test_agreement_counts_the_step_the_table_prints_and_the_plot_draws():
+    # lesson 10's stored run: mb=512 K=1 measured a step of 32.5 ms against the model's 31.8 (above the diagonal in
+    # the table and the plot), while its phases' medians add up to 29.2 ms (below): the sentence once said
+    # "4 above, 4 below" beside 5 points above the diagonal
+    measured = [(1.4, 2.5, 0.8, 5.6), (3.2, 1.8, 1.8, 6.5), (5.8, 1.9, 1.2, 9.4), (24.9, 3.1, 1.2, 32.5),
+                (4.1, 2.0, 1.1, 7.2), (7.6, 1.9, 1.1, 10.4), (24.4, 2.0, 1.2, 27.9), (89.1, 2.4, 1.3, 92.1)]
+    model = [2.9, 3.8, 10.1, 31.8, 6.0, 9.3, 34.6, 121.2]
+    rows = [{"compute": c / 1e3, "comm": a / 1e3, "update": u / 1e3, "step": s / 1e3} for c, a, u, s in measured]
+    predictions = [_step(t / 1e3, t / 2e3, t / 4e3, t / 4e3) for t in model]
+    above = sum(r["step"] > p.total for r, p in zip(rows, predictions))
+    facts, text = costmodel.agreement(rows, predictions)
+    assert above == 5 and facts["above"] == 5, facts
+    assert "Of the 8 configurations, 5 sit above the diagonal and 3 below" in text, text
+
+
+def test_memory_per_rank_in_gib():
+    gb = costmodel.memory_per_rank(7e9, 4, "ddp", weight_bytes=2, optimizer_bytes=12)
+    gib = costmodel.memory_per_rank(7e9, 4, "ddp", weight_bytes=2, optimizer_bytes=12, unit=costmodel.GIB)
+    assert gb == pytest.approx(112.0) and gib == pytest.approx(7e9 * 16 / 2 ** 30) and gib < gb
+
+
+def test_lesson_10s_memory_assert_fails_when_ddp_shards():
+    """Lesson 10's cell asserts DDP's per-rank state against one process's, world size by world size: a
+    memory_per_rank that shards DDP's replica (or forgets a byte) fails it."""
+    from exercise_helpers import notebook_cell
+
+    source = notebook_cell("10_tradeoffs.ipynb", "state_bytes = 2 + 2 + 12", ddp_line=False)
+    exec(compile(source, "lesson_10_memory", "exec"), {"costmodel": costmodel})   # as stored: passes
+
+    def sharded(params, world_size=1, strategy="ddp", **kwargs):
+        return costmodel.memory_per_rank(params, world_size, "fsdp" if strategy == "ddp" else strategy, **kwargs)
+
+    def no_master_copy(params, world_size=1, strategy="ddp", *, optimizer_bytes=8, **kwargs):
+        return costmodel.memory_per_rank(params, world_size, strategy, optimizer_bytes=8, **kwargs)
+
+    for broken in (sharded, no_master_copy):
+        fake = types.SimpleNamespace(GIB=costmodel.GIB, memory_per_rank=broken)
+        with pytest.raises(AssertionError):
+            exec(compile(source, "lesson_10_memory", "exec"), {"costmodel": fake})

@@ -10,7 +10,7 @@ runs them: on 2 gloo ranks (``%%ddp`` cells) or in this process.
 import functools
 import pytest
 
-from course_utils import DistributedError, costmodel, hooks
+from course_utils import costmodel, hooks
 from course_utils.checks.comm_hook import check_fp16_powersgd_bytes, check_tightest_rtol
 from course_utils.costmodel import Calibration
 from exercise_helpers import notebook_cell, solution_off
@@ -28,16 +28,6 @@ def learner(source, **replacements):
 @pytest.fixture(scope="module")
 def cluster(make_cluster):
     return make_cluster(2, timeout=120)
-
-
-def fails_on_ranks(cluster, source, *expected):
-    """Run ``source`` on the ranks; it must fail, and the error must say each of ``expected``."""
-    with pytest.raises(DistributedError) as info:
-        cluster.run(source)
-    message = str(info.value)
-    for words in expected:
-        assert words in message, f"expected {words!r} in the failure:\n{message}"
-    return message
 
 
 # -- 10_tradeoffs, exercise 1: the smallest accum_steps with exposed communication below 10% ----------
@@ -79,76 +69,7 @@ def test_10_exercise_1_model_is_monotone_so_the_smallest_is_well_defined():
     assert all(a > b for a, b in zip(shares, shares[1:]))
 
 
-# -- 10_tradeoffs, exercise 2: rank 0 as the straggler ------------------------------------------------
-def setup_10(cluster):
-    cluster.run(notebook_cell("10_tradeoffs.ipynb", "def timed_step", ddp_line=False))
-
-
-STRAGGLER_BODY = '    raise NotImplementedError("write my_straggler_step'
-
-
-def straggler_answer(body):
-    source = notebook_cell("10_tradeoffs.ipynb", "check_straggler", ddp_line=False)
-    old = next(line for line in source.splitlines() if line.startswith(STRAGGLER_BODY))
-    return learner(source, body=(old, body))
-
-
-TRIES = 3
-
-
-def straggler_verdicts(cluster, source):
-    """Run the exercise cell ``source`` TRIES times; the checker's message of each (None: it passed). Every
-    try must give the same verdict: check_straggler tells the 0.25 s sleep from a rank's own compute
-    (milliseconds), and every rule but one is causal (a sleep lasts at least its time; a step cannot end before
-    the all-reduce every rank entered). The one that is not, "another rank also computed 0.25 s", could only
-    flip if a rank that did not sleep were held off the cores for 0.25 s within a compute of a few
-    milliseconds (the margin: 0.25 s minus that compute)."""
-    messages = []
-    for _ in range(TRIES):
-        try:
-            cluster.run(source)
-            messages.append(None)
-        except DistributedError as exc:
-            messages.append(str(exc))
-    return messages
-
-
-def test_10_exercise_2_solution_passes(cluster):
-    setup_10(cluster)
-    for source in (notebook_cell("10_tradeoffs.ipynb", "check_straggler", ddp_line=False), straggler_answer(
-            "    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25 if rank == 0 else 0.0)\n"
-            "    return t_compute, t_step")):
-        messages = straggler_verdicts(cluster, source)
-        assert messages == [None] * TRIES, f"the solution failed in some of {TRIES} tries:\n{messages}"
-
-
-def test_10_exercise_2_scaffold_fails(cluster):
-    setup_10(cluster)
-    fails_on_ranks(cluster, learner(notebook_cell("10_tradeoffs.ipynb", "check_straggler", ddp_line=False)),
-                   "NotImplementedError", "write my_straggler_step")
-
-
-@pytest.mark.parametrize("body, reason", [
-    # section 2's habit: the last rank sleeps
-    ("    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25 if rank == world_size - 1 else 0.0)\n"
-     "    return t_compute, t_step", "rank 0's compute took"),
-    ("    t_compute, *_, t_step = timed_step(16, 1, delay_s=0.25)\n    return t_compute, t_step",
-     "rank 1 also computed"),
-    ("    t_compute, *_, t_step = timed_step(16, 1)\n    return t_compute, t_step", "less than a 0.25 s sleep"),
-    # the sleep after the step: nobody waits for it in the all-reduce
-    ("    t_compute, *_, t_step = timed_step(16, 1)\n"
-     "    time.sleep(0.25 if rank == 0 else 0.0)\n    return t_compute, t_step", "less than a 0.25 s sleep"),
-    # the step's end taken before the all-reduce
-    ("    t_compute, t_flat, *_ = timed_step(16, 1, delay_s=0.25 if rank == 0 else 0.0)\n"
-     "    return t_compute, t_compute", "t_step must be taken after"),
-    ("    timed_step(16, 1, delay_s=0.25 if rank == 0 else 0.0)\n    return None, None",
-     "must return (t_compute, t_step)"),
-])
-def test_10_exercise_2_wrong_answers_fail_with_a_reason(cluster, body, reason):
-    setup_10(cluster)
-    messages = straggler_verdicts(cluster, straggler_answer(body))
-    wrong = [m for m in messages if m is None or reason not in m]
-    assert not wrong, f"expected {reason!r} in the failure of every one of {TRIES} tries:\n{wrong}"
+# 10_tradeoffs exercise 2 (unequal shares, check_weighted_sync): tests/test_checker_weighted_sync.py
 
 
 # -- 09_compression, exercise 1: bytes of fp16_compress_wrapper(powerSGD_hook) at rank 1 -------------------
