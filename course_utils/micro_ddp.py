@@ -80,6 +80,14 @@ def assign_buckets(params, bucket_cap_mb=25, order=None):
     return buckets
 
 
+def start_allreduce(flat, group=None):
+    """Start averaging one bucket's flat buffer over the group and return at once, with the Work to wait on.
+
+    The course's solution to piece 3 of 11_capstone_micro_ddp (the cell's ``USE_SOLUTION = True`` picks it)."""
+    flat.div_(dist.get_world_size(group))   # divide first, as DDP does: the SUM of the parts is then the mean
+    return dist.all_reduce(flat, group=group, async_op=True)
+
+
 class Bucket:
     """Some parameters and one flat buffer that holds their gradients side by side."""
 
@@ -280,6 +288,69 @@ class MicroDDP(nn.Module):
     def _record(self, what, bucket=None):
         if self.events is not None:
             self.events.append((what, bucket, time.perf_counter()))
+
+
+class LessonMicroDDP(nn.Module):
+    """The course's solution to piece 4 of 11_capstone_micro_ddp, ``MyMicroDDP``: duties 1 to 5 built from
+    ``broadcast_state``, ``assign_buckets`` and ``start_allreduce``, without the reference's compressors,
+    rebuild and timeline (the cell's ``USE_SOLUTION = True`` picks it)."""
+
+    def __init__(self, module, bucket_cap_mb=25):
+        super().__init__()
+        broadcast_state(module)                                       # duty 1: every replica starts equal
+        self.require_backward_grad_sync = True
+        self.module = module
+        trainable = [p for p in module.parameters() if p.requires_grad]   # a frozen one never gets a gradient
+        layout = assign_buckets(trainable, bucket_cap_mb)             # duty 2: reverse registration order
+        self.buckets = [Bucket(b, [trainable[i] for i in idx]) for b, idx in enumerate(layout)]
+        self.slot = {}
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                self.slot[p] = (bucket, i)
+                p.register_post_accumulate_grad_hook(self.grad_ready)   # duty 3: one hook per parameter
+
+    def forward(self, *args, **kwargs):
+        self.sync, self.next_bucket, self.queued = self.require_backward_grad_sync, 0, False
+        self._empty()
+        return self.module(*args, **kwargs)
+
+    def _empty(self):
+        for bucket in self.buckets:
+            bucket.ready, bucket.work = set(), None
+
+    @contextlib.contextmanager
+    def no_sync(self):                                                # duty 5, read by forward
+        outer = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = outer                   # the outer block's value: blocks nest
+
+    def grad_ready(self, p):                                          # inside backward, after p.grad accumulated
+        if not self.sync:
+            return
+        if not self.queued:                                           # duty 4: wait when backward ends
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        bucket, i = self.slot[p]
+        bucket.view(i).copy_(p.grad)
+        bucket.ready.add(i)                                           # distinct parameters, not hook calls
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].full:
+            self.buckets[self.next_bucket].work = start_allreduce(self.buckets[self.next_bucket].buffer)
+            self.next_bucket += 1                                     # strictly in bucket order, on every rank
+
+    def finish(self):                                                 # queued on the autograd engine
+        launched, self.queued = self.buckets[:self.next_bucket], False
+        never = len(launched) < len(self.buckets)
+        for bucket in launched:
+            bucket.work.wait()
+            for i, p in enumerate(bucket.params):
+                p.grad.copy_(bucket.view(i))
+        self.next_bucket = 0                                          # a second backward (retain_graph) syncs too
+        self._empty()
+        if never:
+            raise RuntimeError("a parameter got no gradient in this synced backward: its bucket was never reduced")
 
 
 # -- compressors: start(flat, bucket, group) -> (async work, then-callable or None) --------------
@@ -494,8 +565,10 @@ def timeline_facts(events):
     """What one backward recorded by ``MicroDDP.events`` shows, in ms since backward started (as ``plot_timeline``
     draws it): ``backward_ms`` (the blue bar: until ``finish`` ran), ``last_grad_ms`` (the last white tick),
     ``launch_ms`` (when each bucket's all-reduce started, by bucket), ``early`` (how many of them started before the
-    last gradient was ready), ``wait_ms`` (from the end of backward until every bucket was in: the dashed line to
-    the end of the last bar) and ``total_ms``."""
+    last gradient was ready), ``wait_ms`` (from the end of backward to the end of the last orange bar, a bucket's
+    "done", as drawn: the dashed line to the end of the last bar; 0 when every bar ended before it) and
+    ``total_ms`` (the end of the blue bar plus that wait). One definition for the plot and the printed numbers
+    (tests/test_micro_ddp.py: test_the_printed_wait_is_the_drawn_one)."""
     t0 = next(t for what, _, t in events if what == "backward start")
     first = {}
     for what, b, t in events:
@@ -503,8 +576,10 @@ def timeline_facts(events):
     last_grad = max((t - t0) * 1e3 for what, _, t in events if what == "grad ready")
     launches = [first[key] for key in sorted(k for k in first if k[0] == "launch")]
     end, synced = first[("backward end", None)], first[("synced", None)]
+    bars_end = max((first.get(("done", b), synced) for what, b in first if what == "launch"), default=end)
+    wait = max(bars_end - end, 0.0)            # plot_timeline draws a bar without "done" up to "synced"
     return {"backward_ms": end, "last_grad_ms": last_grad, "launch_ms": launches,
-            "early": sum(t < last_grad for t in launches), "wait_ms": synced - end, "total_ms": synced}
+            "early": sum(t < last_grad for t in launches), "wait_ms": wait, "total_ms": end + wait}
 
 
 def median_backward(timelines):

@@ -36,6 +36,29 @@ def test_exercise_1_cell_passes_with_the_solution_and_its_scaffold_fails(cluster
     assert verdict and "NotImplementedError" in verdict and "write MyFp16.start" in verdict, verdict
 
 
+# -- the pieces of sections 2 to 5: each cell passes with the course's solution, its scaffold fails ---------
+
+PIECES_PREAMBLE = """import contextlib
+from course_utils import micro_ddp as course
+from course_utils.checks import check_assign_buckets, check_broadcast_state, check_micro_ddp, check_start_allreduce
+device = torch.device("cpu")
+"""
+
+
+@pytest.mark.parametrize("marker, message", [
+    ("def my_broadcast_state", "write my_broadcast_state"),
+    ("def my_assign_buckets", "write my_assign_buckets"),
+    ("def my_start_allreduce", "write my_start_allreduce"),
+    ("class MyMicroDDP", "write MyMicroDDP.__init__"),
+])
+def test_piece_cell_passes_with_the_solution_and_its_scaffold_fails(cluster, marker, message):
+    source = notebook_cell(NOTEBOOK, marker, ddp_line=False)
+    assert cluster.run(run_exercise_cell, PIECES_PREAMBLE + source) == [None, None], "the course's solution must pass"
+    got = cluster.run(run_exercise_cell, PIECES_PREAMBLE + notebook_cell(NOTEBOOK, marker, ddp_line=False,
+                                                                          solution=False))[0]
+    assert got and "NotImplementedError" in got and message in got, got
+
+
 class ArticleHook:  # the article's "compression", ported to run: times 0.5, all-reduce, divide by 0.5
     def start(self, flat, bucket, group):
         half = flat * 0.5
@@ -266,6 +289,20 @@ def frozen_after_wrapping(module, bucket_cap_mb):
     return wrapper
 
 
+def noop_no_sync(module, bucket_cap_mb):
+    """The reference MicroDDP with a no_sync() that does nothing: every micro-step syncs."""
+    import contextlib
+
+    from course_utils.micro_ddp import MicroDDP
+
+    class NoOpNoSync(MicroDDP):
+        @contextlib.contextmanager
+        def no_sync(self):
+            yield
+
+    return NoOpNoSync(module, bucket_cap_mb)
+
+
 def no_rebuild(module, bucket_cap_mb):
     """Right, overlapping when registration order is backward's order, but never rebuilt."""
     from course_utils.micro_ddp import MicroDDP
@@ -308,11 +345,14 @@ def _micro_ddp_verdict(kind, rebuild=False):
         "reset-in-forward-only": ResetInForwardOnly,
         "reset-in-finish-keeps-next-bucket": ResetInFinishButKeepsNextBucket,
         "no-rebuild": no_rebuild,
+        "noop-no-sync": noop_no_sync,
     }
     return verdict(check_micro_ddp, makers[kind], rebuild=rebuild)
 
 
 @pytest.mark.parametrize("kind, words", [
+    # first: a no_sync() that does nothing gives the same gradients; only the collectives inside it show it
+    ("noop-no-sync", ["no_sync accumulation", "inside no_sync()", "collective(s)", "seen at the process group"]),
     ("after-backward", ["numerically right", "overlap", "from the gradient hooks"]),
     ("blocking-hooks", ["numerically right", "block", "async_op=True"]),
     ("no-broadcast", ["right after construction", "Broadcast rank 0's parameters"]),

@@ -642,3 +642,18 @@ def test_the_gloo_failure_is_described_from_the_outcome():
     assert "finished" in describe_gloo_failure(None, {}, 5.0)
     for sentence in (hung, aborted, other):
         assert "\n" not in sentence, "one line: the notebook's 'Measured here:' sanitiser covers a line"
+
+
+def test_the_printed_wait_is_the_drawn_one():
+    """Issue 55 §4: lesson 11 printed the wait up to "synced" (7.8 ms) under a plot that draws it to the end of the
+    last orange bar, a bucket's "done" (4.7 ms). timeline_facts reads the wait as plot_timeline draws it."""
+    from course_utils.micro_ddp import timeline_facts
+
+    grads = [0.5 * i for i in range(1, 13)]
+    events = _timeline(grads, [1.0, 3.0, 6.1], 7.0, 7.0 + 7.8)
+    events += [("done", 0, 1.0 + 4.0 / 1e3), ("done", 1, 1.0 + 9.0 / 1e3), ("done", 2, 1.0 + 11.7 / 1e3)]
+    facts = timeline_facts(sorted(events, key=lambda e: e[2]))
+    assert facts["wait_ms"] == pytest.approx(4.7), facts          # 11.7, the last bar's end, minus 7.0
+    assert facts["total_ms"] == pytest.approx(11.7), facts
+    early = _timeline(grads, [1.0], 7.0, 7.5) + [("done", 0, 1.0 + 5.0 / 1e3)]
+    assert timeline_facts(sorted(early, key=lambda e: e[2]))["wait_ms"] == 0.0, "every bar ended before backward"

@@ -147,7 +147,10 @@ def check_start_allreduce(start_allreduce):
         dist.barrier()  # the collective (if any) ran synchronously; keep the ranks in step
     else:
         work.wait()
-        if torch.allclose(flat, want * ws):
+        if ws > 1 and torch.equal(flat, torch.arange(6, dtype=torch.float32, device=flat.device) * (rank + 1)):
+            problem = ("after wait(), flat is unchanged: the all-reduce ran on a copy (flat / world_size makes a new "
+                       "tensor). Divide flat in place (flat /= world_size) and all-reduce flat itself.")
+        elif torch.allclose(flat, want * ws):
             problem = "flat holds the SUM over the ranks, not the average: divide by world_size."
         elif not torch.allclose(flat, want):
             problem = f"after wait(), flat is {flat.tolist()}, expected the average {want.tolist()}."
@@ -302,6 +305,8 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
     problem = _agree(problem)
     if problem:
         return problem
+    from course_utils.checks.fsdp import CollectiveLog  # sees dist.*, functional collectives, group methods
+
     local = _make(kind, seed=7)
     opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
             for m in (theirs, torch_ddp, local)]
@@ -321,9 +326,10 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
                 if watch:
                     handles = [p.register_post_accumulate_grad_hook(lambda p: log.append(("grad", None)))
                                for p in trainable]
+                silent = CollectiveLog() if m is theirs and not sync else contextlib.nullcontext()
                 try:
                     with (_spy_all_reduce(log) if watch else contextlib.nullcontext()):
-                        with (contextlib.nullcontext() if sync else m.no_sync()):
+                        with (contextlib.nullcontext() if sync else m.no_sync()), silent:
                             torch.nn.functional.mse_loss(m(xb), yb).div(accum_steps).backward()
                 except Exception as exc:  # noqa: BLE001
                     if m is theirs:
@@ -334,7 +340,12 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
                         h.remove()
                 if watch:
                     watched = log
-        problem = _agree(_grad_problem(case, step, theirs, torch_ddp, local, ws))
+                if isinstance(silent, CollectiveLog) and _gradient_collectives(silent):
+                    problem = _no_sync_problem(case, silent)
+                    break
+            if problem:
+                break
+        problem = _agree(problem or _grad_problem(case, step, theirs, torch_ddp, local, ws))
         if problem:
             return problem
         for opt in opts:
@@ -347,6 +358,42 @@ def _compare(make, case, bucket_cap_mb, accum_steps, steps=3, kind="mlp", overla
             hint = ""
         to_come = 1 if kind == "mlp" else len(trainable) // 2  # reordered: bucket 0 must not wait for embed
         return _agree(_overlap_problem(case, watched, len(trainable), hint, to_come))
+    return None
+
+
+def _gradient_collectives(log):
+    """The collectives of ``log`` that could carry gradients: all but broadcasts (a forward may broadcast, as torch
+    DDP's does inside no_sync too: the rebuilt bucket order, buffers)."""
+    return [call for call in log.calls if not call[0].startswith("broadcast")]
+
+
+def _no_sync_problem(case, log):
+    """A micro-batch run inside ``no_sync()`` issued collectives (``log``: the CollectiveLog of its forward and
+    backward, seen at the process group). Summing every micro-step's average gives the same gradient as one
+    average at the end, so only this count tells a ``no_sync`` that does nothing from one that works."""
+    calls = _gradient_collectives(log)
+    kinds = sorted({kind for kind, _, _ in calls})
+    return (f"{case}: inside no_sync() your wrapper issued {len(calls)} collective(s) ({', '.join(kinds)}), seen "
+            "at the process group. The gradients come out right (every micro-step's average adds up to the same "
+            "sum), but no_sync exists to skip that communication: set require_backward_grad_sync = False in "
+            "no_sync(), read it in forward, and let grad_ready return at once when this forward does not sync.")
+
+
+def _nesting_problem(make):
+    """Nested ``no_sync()`` blocks: the inner one restores the outer one's False, the outer one True."""
+    try:
+        theirs = make(_make("mlp", seed=7), 25)
+        with theirs.no_sync():
+            with theirs.no_sync():
+                pass
+            inner = theirs.require_backward_grad_sync
+        outer = theirs.require_backward_grad_sync
+    except Exception as exc:  # noqa: BLE001
+        return "nested no_sync() blocks: " + _raised("your wrapper", exc)
+    if inner is not False or outer is not True:
+        return (f"nested no_sync() blocks: after the inner block require_backward_grad_sync is {inner} (expected "
+                f"False, the outer block's), after the outer one {outer} (expected True). On exit, restore the value "
+                "you found on entry, not True.")
     return None
 
 
@@ -469,19 +516,24 @@ def check_micro_ddp(make, rebuild=False):
     while backward still computes gradients), 3-step accumulation with no_sync(), a model used in another
     order than registered, a tied weight, and a frozen parameter. ``rebuild=True`` also requires overlap on
     the model used out of registration order, from its third step: buckets rebuilt in grad-ready order.
+    Each case compares every ``.grad`` with torch DDP's once per optimizer step (after the last micro-batch's
+    backward); inside ``no_sync()`` it counts the collectives that reach the process group instead (a
+    ``CollectiveLog``), and any but a broadcast is a problem. Nested ``no_sync()`` blocks must restore the outer
+    one's value.
     Then a synced backward in which a layer takes no part must raise, and a second backward through a retained
     graph (no forward before it) must sync too."""
     cases = [c[:4] + (c[4] or (rebuild and c[3] == "reordered"),) for c in CASES]
     checks = [lambda c=c: _compare(make, c[0], c[1], c[2], kind=c[3], overlap=c[4]) for c in cases]
-    problem = _first_problem(checks + [lambda: _agree(_stale_work_problem(make)),
+    problem = _first_problem(checks + [lambda: _agree(_nesting_problem(make)),
+                                       lambda: _agree(_stale_work_problem(make)),
                                        lambda: _agree(_retained_graph_problem(make))])
     _verdict(problem)
     if dist.get_rank() == 0:
         print(f"check_micro_ddp: matches torch DDP within {TOL:g} on {len(CASES)} cases (default buckets; one bucket "
               "per parameter, overlapping backward; no_sync accumulation; layers used out of registration order"
               f"{', overlapping after the rebuild' if rebuild else ''}; a tied weight; a frozen parameter; a backward "
-              "order that differs by rank), raises when a layer takes no part in a synced backward, and syncs a second "
-              "backward through a retained graph.")
+              "order that differs by rank; no collective inside no_sync), restores nested no_sync blocks, raises "
+              "when a layer takes no part in a synced backward, and syncs a second backward through a retained graph.")
 
 
 # -- exercise: a compressor -----------------------------------------------------------------------
