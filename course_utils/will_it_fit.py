@@ -29,7 +29,10 @@ A row fits when its peak is at most ``USABLE`` (85%) of the card: the rest is fo
 context, the allocator's cache and fragmentation, NCCL's buffers), as lessons 14 and 16 keep it. The cheapest plan
 is the first row that fits in this order: no activation checkpointing before checkpointing (a third more compute),
 then DDP, ZeRO-1, ZeRO-2, FSDP2 (more communication each). Pure bf16 (bf16 weights and AdamW moments, no fp32
-master) is shown, never chosen: it is a different training.
+master) is shown, never chosen: it is a different training. When nothing fits, the report names the cheapest change
+that fits the same cards (micro-batch 1 with accumulation, then LoRA instead of full fine-tuning, then QLoRA instead
+of LoRA: "Full fine-tuning does not fit ...; LoRA ... does"), and the fewest cards that fit: 2 ... 8, then whole
+nodes of 8, up to ``max_cards``.
 """
 import dataclasses
 import functools
@@ -47,7 +50,8 @@ from course_utils.true_size import (ARTICLE_14GB, GiB, LLAMA2_7B, MISTRAL_7B, Ll
 
 __all__ = ["MODELS", "CARDS", "USABLE", "SUPPORTED", "resolve_model", "shape_from_config", "parse_cards",
            "will_it_fit", "Plan", "Row", "measure_replica", "extend_by_blocks", "tiny_like", "check_plan",
-           "WillItFitError", "check_inputs", "qlora_counts", "qlora_base_bytes", "CARD_SIZES", "DEFAULT_SIZE", "MAX_CARDS"]
+           "WillItFitError", "check_inputs", "qlora_counts", "qlora_base_bytes", "card_note", "CARD_SIZES",
+           "DEFAULT_SIZE", "MAX_CARDS"]
 
 USABLE = 0.85
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -205,12 +209,19 @@ def _card_lookup():
         if name in DEFAULT_SIZE:
             gib = DEFAULT_SIZE[name]
             other = " or ".join(f"{name} {s}GB" for s in sizes if s != gib)
-            table[_card_key(name)] = (gib, f"{name} {gib}GB", f"; {name!r} read as the {gib} GB model, the one "
+            table[_card_key(name)] = (gib, f"{name} {gib}GB", f"{name!r} read as the {gib} GB model, the one "
                                                               f"sold most: write {other} for the other")
     return table
 
 
 _CARD_TABLE = _card_lookup()
+
+
+def card_note(text):
+    """What a bare name sold in two sizes was read as ("'RTX 3060' read as the 12 GB model, ..."), or ""."""
+    m = re.fullmatch(r"\s*(?:[+-]?\d+\s*[x×*]\s*)?(.*?)\s*", str(text), flags=re.IGNORECASE)
+    entry = _CARD_TABLE.get(_card_key(m.group(1))) if m else None
+    return entry[2].lstrip("; ") if entry else ""
 
 
 def parse_cards(text):
@@ -225,8 +236,8 @@ def parse_cards(text):
         raise WillItFitError(f"--cards {text!r}: the count must be at least 1, as in 2x16GiB")
     key = _card_key(rest)
     if key in _CARD_TABLE:
-        gib, label, note = _CARD_TABLE[key]
-        return count, float(gib), f"{count} x {label} ({gib} GiB{note})"
+        gib, label, _ = _CARD_TABLE[key]
+        return count, float(gib), f"{count} x {label} ({gib} GiB)"
     size = re.fullmatch(r"([+-]?\d+(?:\.\d+)?)\s*(?:gib|gb|g)?", rest.strip().lower())
     if size:
         gib = float(size.group(1))
@@ -472,6 +483,8 @@ class Plan:
     seconds: float = 0.0
     results: dict = None     # the measurements the rows were made from, by job name
     max_cards: int = MAX_CARDS   # the bound of the search for more cards
+    card_note: str = ""      # what a bare card name sold in two sizes was read as (``card_note``)
+    cheaper: tuple = None    # when nothing fits: (the cheapest change that fits these cards, in words; its row)
 
     @property
     def card_bytes(self):
@@ -520,6 +533,11 @@ class Plan:
         return " ".join(words), (f"lesson 11's script trains the course's GPT, not {self.shape.name}: it runs {how}"
                                  f"{ck}; put your model and data where it builds make_gpt and get_batch")
 
+    def what_fails(self):
+        """The method in words, for "... does not fit"."""
+        return {"full": "Full fine-tuning", "lora": f"LoRA over {'a bf16' if self.precision == 'mixed' else 'an fp32'} "
+                                                    "base", "qlora": "QLoRA"}[self.method]
+
     def report(self):
         s, gib = self.shape, GiB
         card = self.card_bytes
@@ -528,7 +546,7 @@ class Plan:
         lines = [f"{s.name}: {s.n_params:,} parameters; {what}; micro-batch {self.micro_batch} x {self.seq_len} "
                  f"tokens per card",
                  f"cards: {self.card_label}; a row fits when its peak is at most {USABLE:.0%} of a card "
-                 f"({USABLE * self.card_gib:.2f} GiB)",
+                 f"({USABLE * self.card_gib:.2f} GiB)" + (f"; {self.card_note}" if self.card_note else ""),
                  "",
                  f"{'precision':11}{'strategy':15}{'W':>3}{'forward':>9}{'backward':>9}{'step':>9}{'peak':>8}"
                  f"{'headroom':>10}  {'verdict':38}how (GiB per card)"]
@@ -546,18 +564,27 @@ class Plan:
                          f"{r.peak / gib:.2f} GiB per card, {(USABLE * card - r.peak) / gib:.2f} GiB under "
                          f"{USABLE:.0%} of the card ({r.how}).")
         else:
-            lines.append(f"Nothing that trains the same model fits {self.card_label} with the {USABLE:.0%} margin.")
+            fails = (f"{self.what_fails()} does not fit {self.card_label} with the {USABLE:.0%} margin, with any "
+                     "strategy above")
+            if self.cheaper is not None:
+                fails += f"; {self.cheaper[0]}"
+            lines.append(fails + ".")
             if self.smallest is not None:
                 r = self.smallest
                 lines.append(f"Smallest card count that fits: {r.world_size} cards of {self.card_gib:g} GiB, with "
                              f"{r.precision} {r.label}: {r.peak / gib:.2f} GiB per card ({r.how}).")
+            elif self.method == "qlora":
+                lines.append("More cards do not help: QLoRA is counted with one whole model per card (DDP); lower "
+                             "--seq-len or --micro-batch, or use larger cards.")
             else:
                 lines.append(f"No card count up to {self.max_cards} fits (--max-cards): lower --seq-len or "
                              "--micro-batch, or use larger cards.")
-        cmd, note = self.command()
+        cmd, note = self.command(self.cheaper[1] if self.chosen is None and self.cheaper else None)
+        if self.chosen is None and self.cheaper and self.cheaper[1] is None and self.smallest is None:
+            cmd, note = None, "scripts/finetune_lora.py has no accumulation: one micro-batch per rank and step"
         if cmd:
             lines += ["Run it with:", "    " + cmd, f"  ({note})"]
-        elif self.chosen is not None or self.smallest is not None:
+        elif self.chosen is not None or self.smallest is not None or self.cheaper is not None:
             lines.append(f"  ({note})")
         lines.append(f"Measured in {self.seconds:.1f} s.")
         return "\n".join(lines)
@@ -611,11 +638,51 @@ def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=
     plan = Plan(getattr(model, "name", model), shape, source, method, count, gib, label, seq_len, micro_batch,
                 lora_r, targets, precision, rows)
     plan.results, plan.max_cards = results, max_cards
+    plan.card_note = card_note(cards) if isinstance(cards, str) else ""
     plan.chosen = _pick(rows, plan.card_bytes)
     if plan.chosen is None:
+        plan.cheaper = _cheaper(plan, kw, workers, say)
         plan.smallest = _smallest(plan, results, kw, workers, say, max_cards)
     plan.seconds = time.perf_counter() - t0
     return plan
+
+
+def _cheaper(plan, kw, workers, say):
+    """When nothing fits ``plan``'s cards: the cheapest change that fits the same cards, in the order a reader would
+    try (``plan.rows`` already hold checkpointing and the sharded strategies): micro-batch 1 with accumulation, LoRA
+    instead of full fine-tuning, QLoRA instead of LoRA. ``(sentence, row)`` (row None where no script of the
+    course runs it: accumulation) or ``None``; more cards is ``_smallest``'s answer."""
+    shape, card, W = plan.shape, plan.card_bytes, plan.cards
+    on = "on the same cards"
+
+    def best(method, results, precision=plan.precision):
+        rows = [r for r in _rows(shape, "qlora" if method == "qlora" else method, W, results, precision)
+                if r.method == method]
+        return _pick(rows, card)
+
+    if plan.micro_batch > 1:
+        one = dict(kw, micro_batch=1)
+        res = _run_jobs(_jobs(shape, plan.method, W, **one), workers, say)
+        row = _pick(_rows(shape, plan.method, W, res, plan.precision), card)
+        if row is not None:
+            return (f"micro-batch 1 with {plan.micro_batch} accumulation steps (the same global batch) does, {on}: "
+                    f"{_row_words(row)}", None)
+    lora_res = plan.results
+    if plan.method == "full":
+        lora_res = _run_jobs(_jobs(shape, "lora", W, **kw), workers, say)
+        row = best("lora", lora_res)
+        if row is not None:
+            return f"LoRA (r = {plan.lora_r} on {','.join(plan.targets)}) does, {on}: {_row_words(row)}", row
+    if plan.method in ("full", "lora"):
+        row = best("qlora", lora_res)
+        if row is not None:
+            return f"QLoRA (a 4-bit base) does, {on}: {_row_words(row)}", row
+    return None
+
+
+def _row_words(row):
+    return (f"{row.precision} {row.label} on {row.world_size} card{'s' if row.world_size > 1 else ''}, "
+            f"{row.peak / GiB:.2f} GiB per card ({row.how})")
 
 
 def _positive_int(flag, value, what, example=""):
@@ -639,7 +706,7 @@ def check_inputs(method="lora", precision="mixed", seq_len=512, micro_batch=1, l
     _positive_int("--max-cards", max_cards, f"the most cards to search, at most {MAX_CARDS_LIMIT}", MAX_CARDS)
     if max_cards > MAX_CARDS_LIMIT:
         raise WillItFitError(f"--max-cards {max_cards}: give at most {MAX_CARDS_LIMIT} (the default: {MAX_CARDS})")
-    if method != "full":
+    if True:      # full fine-tuning too: when it does not fit, LoRA with these is the change tried (_cheaper)
         _positive_int("--lora-r", lora_r, "LoRA's rank", 16)
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets:
@@ -667,7 +734,7 @@ def _card_counts(cards, max_cards):
 def _smallest(plan, results, kw, workers, say, max_cards):
     """The plan on the fewest cards (more than ``plan.cards``, among ``_card_counts``: 2 ... 8, then whole nodes of 8,
     up to ``max_cards``) that fits: ZeRO rows counted on the replicas already measured, FSDP2 with checkpointing
-    measured per card count (the largest count first, then halving the gap)."""
+    measured per card count (doubling, then halving the gap)."""
     card, method, shape = plan.card_bytes, plan.method, plan.shape
     counts = _card_counts(plan.cards, max_cards)
     reps = {k: v for k, v in results.items() if k.startswith("replica")}
@@ -692,11 +759,17 @@ def _smallest(plan, results, kw, workers, say, max_cards):
         counts = [W for W in counts if W < best.world_size]
     if not counts:
         return best
-    hi_row = fsdp_at(counts[-1])
-    if not hi_row.fits(card):
+    lo, hi, hi_row, target = -1, None, None, 2 * plan.cards    # counts[lo] does not fit (-1: plan.cards)
+    while hi is None and lo < len(counts) - 1:                  # doubling the card count, then ...
+        i = next((j for j, W in enumerate(counts) if W >= target and j > lo), len(counts) - 1)
+        row = fsdp_at(counts[i])
+        if row.fits(card):
+            hi, hi_row = i, row
+        else:
+            lo, target = i, 2 * counts[i]
+    if hi is None:
         return best
-    lo, hi = -1, len(counts) - 1          # counts[hi] fits; counts[lo] does not (-1: plan.cards)
-    while hi - lo > 1:
+    while hi - lo > 1:                                          # ... halving the gap
         mid = (lo + hi) // 2
         row = fsdp_at(counts[mid])
         if row.fits(card):

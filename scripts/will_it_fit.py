@@ -17,7 +17,9 @@ Then check that the chosen plan trains the same model as one process does, at ti
 
 It prints, per strategy, the peak per card in each phase (forward, backward, optimizer step), the headroom against
 85% of the card, and a verdict; then the cheapest plan that fits and the command that runs it (scripts/finetune_lora.py
-for LoRA, lesson 11's scripts/train_micro_ddp.py for full fine-tuning), or the fewest cards that fit.
+for LoRA, lesson 11's scripts/train_micro_ddp.py for full fine-tuning); when nothing fits, the cheapest change that
+fits the same cards ("LoRA over a bf16 base does not fit ...; QLoRA (a 4-bit base) does") and the fewest cards that
+fit (up to --max-cards). A bad input is refused in one line before anything is measured.
 """
 import argparse
 import sys

@@ -5,7 +5,7 @@ a name sold in two sizes, an unknown name refused with the closest matches.
 """
 import pytest
 
-from course_utils.will_it_fit import CARD_SIZES, CARDS, DEFAULT_SIZE, WillItFitError, _card_key, parse_cards
+from course_utils.will_it_fit import CARD_SIZES, CARDS, DEFAULT_SIZE, WillItFitError, _card_key, card_note, parse_cards
 
 # Memory as sold (GiB), per the vendor's product pages; the card a reader asks about first is the RTX 3060.
 SOLD = {"RTX 3060 12GB": 12, "RTX 3060 8GB": 8, "RTX 3060 Ti": 8, "RTX 3070": 8, "RTX 3070 Ti": 8,
@@ -37,8 +37,10 @@ def test_forgiving_spellings_of_the_rtx_3060(text):
 
 def test_a_bare_name_sold_in_two_sizes_is_the_default_or_asks_for_the_size():
     # the RTX 3060 launched with 12 GB and sells most so; the 8 GB one is a later, rarer variant: printed
-    count, gib, label = parse_cards("2 x RTX 3060")
-    assert "'RTX 3060' read as the 12 GB model" in label and "RTX 3060 8GB for the other" in label, label
+    assert parse_cards("2 x RTX 3060") == (2, 12.0, "2 x RTX 3060 12GB (12 GiB)")
+    note = card_note("2 x RTX 3060")
+    assert note == "'RTX 3060' read as the 12 GB model, the one sold most: write RTX 3060 8GB for the other", note
+    assert card_note("2xRTX 3060 12GB") == card_note("2x12GiB") == card_note("RTX 4090") == ""
     assert parse_cards("2xrtx3060-8gb")[1] == 8 and parse_cards("RTX 3080")[1] == 10
     assert set(DEFAULT_SIZE) <= {n for n, s in CARD_SIZES.items() if len(s) > 1}
     for name in ("RTX 4060 Ti", "RTX 5060 Ti", "A100", "V100", "RTX A2000"):   # both sizes sold alike: ask

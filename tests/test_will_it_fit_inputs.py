@@ -35,7 +35,8 @@ CASES = {   # name: (arguments after --model and --cards, what the one line must
     "cards -1x24": (["--cards", "-1x24"], "--cards '-1x24': the count must be at least 1, as in 2x16GiB"),
     "cards 0xRTX 3060": (["--cards", "0xRTX 3060"], "--cards '0xRTX 3060': the count must be at least 1"),
     "cards over the bound": (["--cards", "100x24"], f"--cards: 100 cards is more than the search's bound of "
-                                                    f"{MAX_CARDS}: give at most {MAX_CARDS} cards, or raise --max-cards"),
+                                                    f"{MAX_CARDS}: give at most {MAX_CARDS} cards, or raise "
+                                                    "--max-cards"),
     "max-cards over its limit": (["--max-cards", "5000"], "--max-cards 5000: give at most 1024"),
     "max-cards 0": (["--max-cards", "0"], "--max-cards 0: give the most cards to search"),
     "seq-len not a number": (["--seq-len", "abc"], "argument --seq-len: invalid int value: 'abc'"),

@@ -39,5 +39,5 @@ def test_llama_3_8b_qlora_does_not_fit_one_8_gib_card():
     shift = qlora_base_bytes(LLAMA3_8B) - 2 * LLAMA3_8B.n_params              # the bf16 base replaced
     assert abs(q.peak - lora.peak - shift) < 1, (q.peak, lora.peak, shift)       # to the byte (float sums)
     assert abs(q.peak / GiB - 8.21) < 0.05 and q.verdict(8 * GiB) == "no: over the card", q.peak / GiB
-    assert plan.chosen is None and "Nothing that trains the same model fits" in plan.report()
+    assert plan.chosen is None and "QLoRA does not fit 1 x 8 GiB" in plan.report()
     assert q.fits(12 * GiB), "one 12 GiB card holds it"
