@@ -87,7 +87,7 @@ def main(argv=None):
         print(f"will_it_fit: {exc}", file=sys.stderr)
         return 2
     print(plan.report(), flush=True)
-    row = plan.chosen or plan.smallest
+    row = plan.chosen or (plan.cheaper and plan.cheaper[1]) or plan.smallest    # the plan whose command it printed
     if args.check:
         if row is None:
             print("--check: no plan to check", file=sys.stderr)

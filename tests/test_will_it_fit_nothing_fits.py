@@ -69,3 +69,29 @@ def test_the_reader_s_question_llama_3_8b_lora_on_2_rtx_3060():
     assert ("LoRA over a bf16 base does not fit 2 x RTX 3060 12GB (12 GiB) with the 85% margin, with any strategy "
             "above; QLoRA (a 4-bit base) does, on the same cards: 4-bit base DDP + ckpt on 2 cards, ") in report, report
     assert "No card count up to 2 fits (--max-cards)" in report, report
+
+
+def test_check_runs_the_cheaper_change_whose_command_was_printed(tmp_path, capsys):
+    """scripts/will_it_fit.py --check trains the plan whose command it printed: here LoRA, not the full fine-tuning
+    on more cards that the search also found."""
+    import importlib.util
+    import json
+
+    from conftest import ROOT
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": WIDE.d_model, "intermediate_size": WIDE.d_ff,
+              "num_attention_heads": WIDE.n_head, "num_key_value_heads": WIDE.n_kv_head,
+              "num_hidden_layers": WIDE.n_layer, "vocab_size": WIDE.vocab_size, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lora = will_it_fit(WIDE, (1, 1024), method="lora", **KW)
+    card = round(lowest(lora, "lora") / USABLE / GiB * 1.01, 6)
+    spec = importlib.util.spec_from_file_location("will_it_fit_script", ROOT / "scripts" / "will_it_fit.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rc = script.main(["--model", str(tmp_path), "--cards", f"1x{card}", "--method", "full", "--seq-len", "16",
+                      "--lora-r", "4", "--workers", "1", "--max-cards", "8", "--check"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "; LoRA (r = 4 on q_proj,v_proj) does, on the same cards: bf16 base DDP + ckpt on 1 card" in out, out
+    assert "scripts/finetune_lora.py" in out and "--checkpointing" in out, out
+    assert "\ncheck: DDP + ckpt on 2 CPU ranks" in out and "-> the same training" in out, out
