@@ -36,8 +36,7 @@ ANY_HEADING = re.compile(r"^ {0,3}#{1,6} \S", re.M)
 GIVES_AWAY = re.compile(r"\bassert\b|assert_close|\bcheck_\w*\s*\(")
 OBJECTIVES = re.compile(r"What you will learn(.*?)(?=^\*\*[A-Z]|^#|\Z)", re.S | re.M)
 REVEAL = "reveal"
-CONVERTED_UNDER = {**{f"{n:02d}": 55 for n in range(6, 12)}, **{f"{n:02d}": 56 for n in range(12, 15)},
-                   **{f"{n:02d}": 57 for n in range(15, 18)}}
+CONVERTED_UNDER = {f"{n:02d}": 57 for n in range(15, 18)}
 
 
 def _normal(text):
