@@ -686,7 +686,8 @@ def check_rebuilt_buckets(predicted, layout, cap_mb=0.25, section_layout=None):
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"self-check passed: predicted_buckets is the number of buckets DDP rebuilt with bucket_cap_mb={cap_mb}")
+            print("self-check passed: predicted_buckets is the number of buckets DDP rebuilt with "
+                  f"bucket_cap_mb={cap_mb}")
         return
     if value == 1:
         raise AssertionError("one bucket is iteration 0's layout. The question is the rebuilt one (iteration 1): "
