@@ -129,7 +129,9 @@ def widget_note(output):
 def fold_reveal(cell):
     """A ``reveal`` cell, folded on the page: myst-nb's hide-cell for code, the course-reveal directive for markdown."""
     if cell["cell_type"] == "code":
-        cell["metadata"]["tags"] = [*cell["metadata"]["tags"], "hide-cell"]
+        # reveal first: the page's box is then "cell tag_reveal ...", whatever order the file lists the tags in
+        others = [tag for tag in cell["metadata"]["tags"] if tag != REVEAL]
+        cell["metadata"]["tags"] = [REVEAL, *others, "hide-cell"]
         cell["metadata"]["mystnb"] = {**cell["metadata"].get("mystnb", {}), "code_prompt_show": SHOW,
                                       "code_prompt_hide": HIDE}
     elif cell["cell_type"] == "markdown":
