@@ -182,7 +182,8 @@ FP32_REPLICA = dict(n_trainable=100, param_dtype=None, autocast=False, foreach=F
                     forward=_kinds(400, 0, 800, 300), backward=_kinds(400, 250, 800, 0, 20), step=_kinds(400, 400, 860))
 # The same in pure bf16 (the mixed rows' replica): bf16 weights, gradients and moments.
 BF16_REPLICA = dict(n_trainable=100, param_dtype=None, autocast=False, foreach=False,
-                    forward=_kinds(200, 0, 400, 150), backward=_kinds(200, 100, 400, 50, 10), step=_kinds(200, 200, 430))
+                    forward=_kinds(200, 0, 400, 150), backward=_kinds(200, 100, 400, 50, 10),
+                    step=_kinds(200, 200, 430))
 
 
 def test_replica_rows_are_counted_phase_by_phase_byte_for_byte():
