@@ -225,8 +225,9 @@ def test_describe_model_fit_follows_the_numbers():
 
 
 def test_describe_model_fit_never_calls_a_measurement_on_the_model_below_it():
-    """The stored run of issue 54: chunked at 0.5x and 1.0x of the shared-link model was "below the model for
-    chunked 0.5x to 1.0x", though 1.0x sits on the model. Now: below at one size, within at the other."""
+    """Lesson 03's stored run that fooled the verdict: chunked at 0.5x and 1.0x of the shared-link model was
+    "below the model for chunked 0.5x to 1.0x", though 1.0x sits on the model.
+    Now: below at one size, within at the other."""
     ratios = {"shared": {"naive": [0.4, 2.3], "ring": [0.4, 2.6], "chunked": [0.5, 1.0]},
               "dedicated": {"naive": [0.4, 2.3], "ring": [1.5, 10.4], "chunked": [2.0, 3.8]}}
     text = " ".join(bench.describe_model_fit({"dedicated": 0, "shared": 1}, 2, ratios, cores=2,

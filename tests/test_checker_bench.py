@@ -99,7 +99,7 @@ def test_bucket_times_scaffold_and_wrong_answers_fail_with_a_reason():
 
 
 def test_bucket_times_right_answers_written_differently_pass():
-    """Issue 54: answers computed from the printed, rounded alpha and 1/beta were refused with "is 1x"."""
+    """Answers computed from the printed, rounded alpha and 1/beta were refused with "is 1x"."""
     exact = bench.solution_bucket_times(ALPHA, BETA)
     printed = {"first": PRINTED_ALPHA + PRINTED_BETA * 2**20, "full": PRINTED_ALPHA + PRINTED_BETA * 25 * 2**20}
     by_hand = {"first": 6172e-6 + 1048576 / 0.627e9, "full": 6172e-6 + 25 * 1048576 / 0.627e9}

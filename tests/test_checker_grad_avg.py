@@ -484,7 +484,7 @@ def test_exercise_1_wrong_answers_fail_with_a_reason(cluster, fn, reason):
 
 
 def test_exercise_1_hints_fit_it_and_its_verdicts_are_counted_apart(cluster):
-    """Issue 54: the lesson's demonstration (section 5, the article's loop through the plain check) and exercise 1's
+    """The lesson's demonstration (section 5, the article's loop through the plain check) and exercise 1's
     first wrong attempt give the same verdict text; the exercise's first attempt was told the demonstration's fix,
     "divide the all-reduced gradient by world_size, or ... AVG", which the exercise forbids."""
     from course_utils.checks import grad_avg

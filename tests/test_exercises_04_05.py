@@ -69,7 +69,7 @@ def test_lesson_04_exercise_cells(marker, scaffold, capsys):
 
 
 def test_lesson_04_cache_check_runs_outside_a_git_checkout(tmp_path):
-    """Issue 54: section 7's cell found the course by walking up from the working directory to a folder holding
+    """Section 7's cell found the course by walking up from the working directory to a folder holding
     course_utils, and raised StopIteration wherever the course is not a checkout (Colab, Kaggle, a pip install).
     Here it runs from a folder outside the repository, with course_utils importable as an installed package is."""
     import json
@@ -300,7 +300,7 @@ def test_describe_race_weighs_the_difference_against_the_turns():
     assert "the hand ring is faster (1.06x to 1.27x, beyond the spread of 3 turns)" in small, small
 
 
-# lesson 04's stored race that the verdict misread (issue 54): the library ring 2.35x faster at 4 KiB beyond the
+# lesson 04's stored race that the verdict misread: the library ring 2.35x faster at 4 KiB beyond the
 # spread of the turns, 2.71x at 16 KiB where one slow turn made the turns overlap; 1.18x at 16 MiB beyond the
 # spread, 1.16x at 64 MiB within it. It printed "neither ring is faster beyond the measured spread at both sizes".
 FOOLED_LIB = [7299.6e-6, 6593.3e-6, 6507.9e-6, 6320.1e-6, 6665.3e-6, 12220.5e-6, 35178.2e-6, 116605.9e-6]

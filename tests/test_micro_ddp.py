@@ -645,7 +645,7 @@ def test_the_gloo_failure_is_described_from_the_outcome():
 
 
 def test_the_printed_wait_is_the_drawn_one():
-    """Issue 55 §4: lesson 11 printed the wait up to "synced" (7.8 ms) under a plot that draws it to the end of the
+    """Lesson 11 printed the wait up to "synced" (7.8 ms) under a plot that draws it to the end of the
     last orange bar, a bucket's "done" (4.7 ms). timeline_facts reads the wait as plot_timeline draws it."""
     from course_utils.micro_ddp import timeline_facts
 

@@ -456,7 +456,7 @@ def test_in_chromium_a_lesson_hides_its_answer_until_the_reader_opens_it(browser
     """Lesson 00's first reveal cell: closed on the page, its text invisible; one click on its summary shows it."""
     lesson = LESSONS[0]
     reveal = _reveal_cells(lesson)
-    assert reveal, f"{lesson.name} has no cell tagged reveal: its predictions are answered after the run (issue 54)"
+    assert reveal, f"{lesson.name} has no cell tagged reveal: its predictions are answered after the run"
     page, errors = _open(browser, f"{served}/notebooks/{lesson.stem}.html")
     fold = page.locator("div.cell.tag_reveal details").first
     body = fold.locator(":scope > :not(summary)").first

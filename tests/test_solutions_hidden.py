@@ -13,9 +13,9 @@ cell of the lesson: its source, or a stored output (a traceback's source lines, 
 learner's copy shows a reveal cell on a click. It also fails when scripts/learner_copy.py (what `make lab` runs)
 leaves a reveal cell of the lesson open.
 
-Lessons 06-17 (issues 55-57) are held the same way: none shows a solution its flag switches on today (a lesson that
-did would be a strict xfail in SHOWN_TODAY, naming its issue). What no flag switches on (11's MicroDDP, written in
-the lesson while its text says "you write it") this test cannot see: issue 55 turns those pieces into scaffolds.
+Every lesson is held the same way: none shows a solution its flag switches on (a lesson that did would be a strict
+xfail in SHOWN_TODAY). What no flag switches on (code written out in the lesson while its text says "you write it")
+this test cannot see: such a piece must become a scaffold with its solution behind USE_SOLUTION.
 """
 import ast
 import inspect

@@ -1,5 +1,5 @@
 """scripts/will_it_fit.py refuses every bad input before measuring anything: exit code 2, one line on stderr that says
-what to give, no traceback, nothing on stdout (issue 57's list: malformed JSON, --lora-r 0, --targets foo_proj,
+what to give, no traceback, nothing on stdout (each case below: malformed JSON, --lora-r 0, --targets foo_proj,
 --seq-len 0, --cards 2x0, --cards -1x24, and the bound on the card search).
 
     .venv/bin/python -m pytest -q -n 0 tests/test_will_it_fit_inputs.py

@@ -57,7 +57,7 @@ def test_a_large_micro_batch_that_does_not_fit_says_micro_batch_1_with_accumulat
 
 
 def test_the_reader_s_question_llama_3_8b_lora_on_2_rtx_3060():
-    """Issue 57's reader: LoRA of Llama 3 8B on 2 x RTX 3060 (12 GB). Nothing over a bf16 base fits two; QLoRA does
+    """The reader's question: LoRA of Llama 3 8B on 2 x RTX 3060 (12 GB). Nothing over a bf16 base fits two; QLoRA does
     (its non-4-bit parameters counted in fp32), said in plain words. Checkpointing only, no search for more cards:
     the cheapest rows, in a minute."""
     plan = will_it_fit("llama-3-8b", "2 x RTX 3060", method="lora", checkpoints=(True,), workers=1, say=QUIET,
