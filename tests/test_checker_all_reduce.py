@@ -331,6 +331,40 @@ def test_rejects_correct_but_wasteful_all_reduces(clusters, impl, words):
         assert w in message, f"the checker's message for {impl.__name__} should mention {w!r}; it was:\n{message}"
 
 
+# -- the tolerance itself, from both sides: ROUNDING x n x eps(dtype) x sum|inputs| per element -----------------------
+def _nudged_ring(tensor, units):
+    """The chunked ring, then every float element scaled by 1 + units x n x eps: where all inputs share a sign
+    (some element in each case does), the error is units x n x eps x sum|inputs|."""
+    chunked_ring_all_reduce(tensor)
+    if tensor.dtype.is_floating_point:
+        tensor.mul_(1 + units * dist.get_world_size() * torch.finfo(tensor.dtype).eps)
+
+
+def nudged_just_above_the_tolerance(tensor):
+    _nudged_ring(tensor, 3)
+
+
+def nudged_well_below_the_tolerance(tensor):
+    _nudged_ring(tensor, 0.5)
+
+
+def test_a_sum_just_above_the_tolerance_is_rejected(clusters):
+    """3 x n x eps: rejected by ROUNDING = 2 (a tolerance twice as wide accepts it), with the reason; no low dtype
+    is blamed."""
+    from course_utils.checks.all_reduce import ROUNDING
+
+    assert 2 <= ROUNDING < 3, f"the nudges below are sized for ROUNDING = 2: {ROUNDING}"
+    near = "close to the sum but not exact.*more than 2 additions in float32 round"
+    with pytest.raises(AssertionError, match=near) as info:
+        check_all_reduce(nudged_just_above_the_tolerance, clusters=clusters)
+    for low in ("bfloat16", "float16"):
+        assert low not in str(info.value), f"a nudge of 3 x n x eps is not {low}'s rounding:\n{info.value}"
+
+
+def test_a_sum_well_within_the_tolerance_passes(clusters):
+    check_all_reduce(nudged_well_below_the_tolerance, clusters=clusters)
+
+
 def test_near_miss_in_bf16_is_rejected_with_the_reason(clusters):
     with pytest.raises(AssertionError) as info:
         check_all_reduce(ring_in_bf16, clusters=clusters)
