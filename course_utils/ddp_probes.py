@@ -347,11 +347,12 @@ def describe_agreement(sweep, timeline):
 
 def describe_compute_growth(sim_growth, real_growth, noise=0.1):
     """One sentence comparing how much backward's compute grew with several buckets against one, on lesson 07's
-    simulated link (no transfer work) and on the real gloo run: ``sim_growth`` and ``real_growth`` are the ratios
+    simulated link (no transfer work, and no thread: the link is a schedule its hook computes) and on the real gloo
+    run: ``sim_growth`` and ``real_growth`` are the ratios
     of the typical steps' compute. Growths within ``noise`` (0.1: 10 points) of each other count as equal.
     Introduced in 07_buckets_and_overlap."""
     text = (f"backward's compute with 7 buckets against one: x{sim_growth:.2f} on the simulated link (no transfer "
-            f"work), x{real_growth:.2f} on the real gloo run")
+            f"work, no thread), x{real_growth:.2f} on the real gloo run")
     if max(sim_growth, real_growth) <= 1 + noise:
         return text + f": neither grew by more than the noise ({noise:.0%})."
     if real_growth > sim_growth + noise:
@@ -359,10 +360,10 @@ def describe_compute_growth(sim_growth, real_growth, noise=0.1):
                        "that gloo's transfers took.")
     if sim_growth > real_growth + noise:
         return text + (": the simulated link's grew more, with no transfer at all, so this run shows no cost of "
-                       "gloo's transfers to backward; the growth came from what the runs share (hook calls, threads) "
-                       "and from this machine's load, which changed between the two cells.")
-    return text + (": about as much, with no transfer on the simulated link, so the growth is not gloo's work but "
-                   "what both runs share (hook calls, threads, this machine's load).")
+                       "gloo's transfers to backward; the growth came from what the runs share (the hook calls) and "
+                       "from this machine's load, which changed between the two cells.")
+    return text + (": about as much, with no transfer and no thread on the simulated link, so the growth is not "
+                   "gloo's work but what both runs share (the hook calls, this machine's load).")
 
 
 def plot_timelines(timelines, titles, figsize=(9, 2.4)):
