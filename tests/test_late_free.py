@@ -106,3 +106,48 @@ def test_lesson14_fsdp2_row_measures_the_same_bytes_every_time(make_cluster):
         for name, measured in totals.items():
             assert len(set(measured)) == 1, f"rank {rank}, {name}: the least of 3 steps varied: {measured}"
             assert measured[0] > 0, f"rank {rank}, {name}: nothing measured"
+
+
+def lesson14_replica_peaks(steps=4):
+    """Lesson 14's DDP and ZeRO-1 rows (the same model, batch and steps as its section 1): ``peak_memory`` of
+    ``steps`` steps in a row, this rank's totals in bytes. Their only collective is DDP's all-reduce, in place on a
+    bucket the reducer keeps, so no storage that the meter tracks is left to gloo's thread to free."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.gpt import CharTokenizer, load_corpus, make_gpt
+    from course_utils.zero import ShardedOptimizer
+
+    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    tokenizer = CharTokenizer(load_corpus())
+    batch = torch.randint(tokenizer.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    mine = batch[rank * 2:(rank + 1) * 2]
+    totals = {}
+    for name in ("DDP, 2 ranks", "ZeRO-1, 2 ranks"):
+        model = DDP(make_gpt(tokenizer.vocab_size, seed=0, n_layer=48, n_embd=64))
+        optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3) if name.startswith("DDP")
+                     else ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3))
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(mine).flatten(0, 1), mine.flatten()).backward()
+            optimizer.step()
+
+        step()
+        step()                                         # DDP rebuilds its buckets in its second step
+        totals[name] = [peak_memory(step, model, optimizer)["total"] for _ in range(steps)]
+    return totals
+
+
+def test_lesson14_replica_rows_measure_the_same_bytes_every_step(make_cluster):
+    """What lets lesson 14 measure its DDP and ZeRO-1 rows once, and only the rows with a late margin thrice."""
+    cluster = make_cluster(2, timeout=600)
+    for rank, totals in enumerate(cluster.run(lesson14_replica_peaks)):
+        for name, measured in totals.items():
+            assert len(set(measured)) == 1, f"rank {rank}, {name}: one step's peak varied: {measured}"
+            assert measured[0] > 0, f"rank {rank}, {name}: nothing measured"
