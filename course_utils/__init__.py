@@ -4,6 +4,31 @@
 run code on a pool of torch.distributed ranks from a notebook, and ``spawn`` is the drop-in for
 ``torch.multiprocessing.spawn`` (00_launcher_tour). The engine
 lives in ``course_utils.engine``; the lesson helpers are the other modules of this package.
+
+The package by lesson (each module's docstring says "Introduced in NN_..."):
+
+- ``engine`` (00 onwards): ``%%ddp``, ``Cluster``, ``launch``, ``spawn``, ``%ddp export`` (11); its one
+  specification is docs/engine.md, its modules are listed in ``engine/__init__.py``
+- ``checks`` (every lesson with an exercise): the self-checks, one module per lesson or two, behind one verdict
+  wrapper; ``checks/__init__.py`` lists them by lesson
+- ``tour`` (00): lesson 00's exercise and its solution
+- ``data``, ``models``, ``plots``, ``memory`` (01 onwards): generated data, the small models every lesson
+  trains, the shared pictures, and memory measured from the tensors (peaks over a step, DDP's bucket)
+- ``allreduce`` (03): all-reduce by hand from send/recv, and the byte counter
+- ``bench`` (03, 04): bandwidth measured as nccl-tests does, and the alpha-beta fit of a whole operation
+- ``ddp_probes`` (06, 07): recording and drawing what DDP does (its all-reduces, its buckets, a timeline)
+- ``hooks`` (08, 09): DDP communication hooks and a byte counter for any hook
+- ``costmodel`` (10): the step-time model (alpha-beta per ring hop, plus compute) and its sliders
+- ``micro_ddp``, ``gpt`` (11): the course's own DDP, and the tiny GPT it trains (with ``corpus.txt``)
+- ``zero`` (12): ZeRO-1/2 by hand (``ShardedOptimizer``) and the collectives counter
+- ``fsdp`` (13): MicroFSDP, ZeRO-3 by hand
+- ``true_size`` (14, 16): training memory of a real-size model measured with fake tensors
+- ``tensor_parallel``, ``pipeline`` (15): Megatron-style tensor parallelism and GPipe/1F1B pipelines by hand
+- ``lora`` (16): LoRA by hand on ``transformers``' Llama, adapters in ``peft``'s format
+- ``will_it_fit``, ``model_zoo`` (16, 18; the README's "Will it fit?"): a reader's model and cards, measured
+- ``planted_bugs``, ``debugging`` (17): a torchrun job with a bug planted on purpose, and reading what a
+  cluster's tools leave behind (Flight Recorder dumps, py-spy stacks, profiler traces)
+- ``diffusion`` (18): a tiny diffusion UNet trained data-parallel, and Stable Diffusion at true size
 """
 from course_utils.engine.launcher import (
     CellSyntaxError, Cluster, DistributedError, DistributedTimeout, choose_backend, launch, spawn)

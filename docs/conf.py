@@ -4,21 +4,22 @@
 
 `make site` runs ``sphinx-build -W --keep-going -n -c docs . docs/_build/html``: the source directory is the repository
 itself, so README.md is the home page and every link the lessons hold (``../README.md#lesson-map``, the next
-lesson's ``NN_topic.ipynb``) resolves as it does on a code host. Only README.md, CONTRIBUTING.md and
-notebooks/NN_*.ipynb are read; the notebooks are never executed (``nb_execution_mode = "off"``): a page shows
-what nbval checks.
+lesson's ``NN_topic.ipynb``) resolves as it does on a code host. Only README.md, CONTRIBUTING.md, docs/*.md
+(the engine, GPUs, multi-node) and notebooks/NN_*.ipynb are read; the notebooks are never executed
+(``nb_execution_mode = "off"``): a page shows what nbval checks.
 
 Four things change on the way into the page, at build time (``source-read``), never in the files:
-- each lesson gets its launch links after its title: Open in Colab, Open in Kaggle (both from the repository
-  URL, ``[project.urls] Repository`` in pyproject.toml, the one setting), Download .ipynb, and the README's
-  Kaggle/Colab first cell that installs the course's package;
+- each lesson gets its launch links after its title: Download .ipynb and, only once ``[project.urls] Repository``
+  in pyproject.toml holds the course's real address (the one setting; absent until then), Open in Colab, Open in
+  Kaggle and docs/gpus.md's Kaggle/Colab first cell that installs the course's package from that address;
 - a widget output (10's cost-model sliders) needs a running kernel: the page says so instead of an empty box;
 - every cell tagged ``reveal`` (the answer to a prediction, right after its run: CONTRIBUTING.md, "The learner does
   the work") is folded, so a reader opens it on purpose: a code cell gets myst-nb's ``hide-cell`` tag (source and
   outputs in one ``<details>``), a markdown cell, which myst-nb renders without reading its tags, goes inside the
   ``course-reveal`` directive below (the same ``<details>``, myst-nb's own node and style);
-- README.md gets the site's hidden table of contents (the sidebar), and its first cell for Colab/Kaggle is
-  shown as plain text (a ``!pip`` line is neither Python nor, with its comment, shell).
+- README.md gets the site's hidden table of contents (the sidebar), and docs/gpus.md's first cell for Colab/Kaggle
+  is shown as plain text (a ``!pip`` line is neither Python nor, with its comment, shell), with the repository's
+  address in place of ``<this repository's URL>`` once there is one.
 tests/test_site.py builds the site into a temporary folder and checks the pages; .github/workflows/pages.yml
 publishes what `make site` builds.
 """
@@ -38,7 +39,9 @@ except ModuleNotFoundError:  # Python 3.10 (Sphinx 9 itself needs 3.11: pyprojec
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-REPOSITORY = PYPROJECT["project"]["urls"]["Repository"].rstrip("/")
+# "" until the maintainer sets it: then no page links to an address the course does not have (tests/test_site.py)
+REPOSITORY = PYPROJECT["project"].get("urls", {}).get("Repository", "").rstrip("/")
+GPUS = ROOT / "docs" / "gpus.md"  # the Kaggle/Colab first cell's one home (read from this checkout, not a probe's)
 BRANCH = "main"  # the branch the launch links open (the one .github/workflows/pages.yml publishes from)
 LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -51,16 +54,17 @@ copyright = "the Micro-DDP course"
 
 extensions = ["myst_nb"]
 root_doc = "README"
-include_patterns = ["README.md", "CONTRIBUTING.md", "notebooks/[0-9][0-9]_*.ipynb"]
+include_patterns = ["README.md", "CONTRIBUTING.md", "docs/*.md", "notebooks/[0-9][0-9]_*.ipynb"]
 # Sphinx walks the source directory before it filters: everything else at the top (.venv above all) is pruned.
-exclude_patterns = sorted(p.name for p in ROOT.iterdir() if p.name not in {"README.md", "CONTRIBUTING.md", "notebooks"})
-exclude_patterns += ["notebooks/.ipynb_checkpoints"]
+exclude_patterns = sorted(p.name for p in ROOT.iterdir()
+                          if p.name not in {"README.md", "CONTRIBUTING.md", "docs", "notebooks"})
+exclude_patterns += ["notebooks/.ipynb_checkpoints", "docs/_build", "docs/_static"]
 
 nb_execution_mode = "off"        # the stored outputs, as nbval checks them; nothing is run
 nb_merge_streams = False         # one block per stored output (tests/test_site.py counts them)
 nb_output_stderr = "show"        # the [rank N] lines some cells print on stderr are part of the lesson
 nb_render_error_lexer = "myst-ansi"  # a stored traceback is ANSI-coloured text (the ipythontb lexer chokes on it)
-myst_heading_anchors = 4         # ../README.md#lesson-map, ../README.md#kaggle-2-x-t4-and-colab
+myst_heading_anchors = 4         # ../README.md#lesson-map, ../docs/gpus.md#kaggle-2-x-t4-and-colab
 myst_enable_extensions = ["dollarmath"]
 suppress_warnings = []
 
@@ -75,7 +79,7 @@ html_context = {"default_mode": "auto"}
 html_theme_options = {
     "repository_url": REPOSITORY,
     "repository_branch": BRANCH,
-    "use_repository_button": True,
+    "use_repository_button": bool(REPOSITORY),
     "use_download_button": True,
     "home_page_in_toc": True,
     "show_toc_level": 2,
@@ -95,9 +99,9 @@ def lesson_links(name):
 
 
 def first_cell():
-    """The README's Kaggle/Colab first cell, with the repository's URL in place of its placeholder."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Kaggle"):]
+    """docs/gpus.md's Kaggle/Colab first cell, with the repository's URL in place of its placeholder."""
+    text = GPUS.read_text()
+    section = text[text.index("## Kaggle"):]
     start = section.index("```python")
     block = section[start:section.index("```", start + 3) + 3]
     lines = [line.strip() for line in block.splitlines()]
@@ -105,6 +109,11 @@ def first_cell():
 
 
 def launch_cell(name):
+    if not REPOSITORY:  # no address to open or install from: the notebook itself, and how to run it here
+        text = (f'<p class="launch-links"><a class="launch-download" href="{name}" download>Download .ipynb</a></p>'
+                "\n\nThis page shows the lesson with the outputs it stores (checked in CI); run it to make them yours: "
+                "`make lab` installs the course's package `course_utils` and opens the lessons in JupyterLab.\n")
+        return {"cell_type": "markdown", "id": "site-launch-links", "metadata": {}, "source": text}
     links = lesson_links(name)
     text = (
         '<p class="launch-links">'
@@ -114,8 +123,8 @@ def launch_cell(name):
         "</p>\n\n"
         "This page shows the lesson with the outputs it stores (checked in CI); run it to make them yours. The lesson "
         "needs the course's package `course_utils`: locally `make lab` installs it; on Colab or Kaggle, run this "
-        "first cell before the lesson's setup cell ([Kaggle (2 x T4) and Colab](../README.md#kaggle-2-x-t4-and-colab)"
-        " says which accelerator to choose):\n\n" + first_cell() + "\n")
+        "first cell before the lesson's setup cell ([Kaggle (2 x T4) and "
+        "Colab](../docs/gpus.md#kaggle-2-x-t4-and-colab) says which accelerator to choose):\n\n" + first_cell() + "\n")
     return {"cell_type": "markdown", "id": "site-launch-links", "metadata": {}, "source": text}
 
 
@@ -172,16 +181,31 @@ def transform_lesson(name, text):
     return json.dumps(nb)
 
 
+def shell_escapes_as_text(text):
+    """A ```python block of ``!pip`` lines shown as text: no lexer reads shell escapes and comments."""
+    return re.sub(r"```python(\n\s*!)", r"```text\1", text)
+
+
+DOCS = ["engine", "gpus", "multi-node"]  # docs/*.md in the sidebar's order, those the source folder holds
+
+
 def transform_readme(text):
-    text = re.sub(r"```python(\n\s*!)", r"```text\1", text)  # !pip lines: no lexer reads shell escapes and comments
     lessons = "\n".join(f"notebooks/{name.removesuffix('.ipynb')}" for name in LESSONS)
-    return (text + "\n\n```{toctree}\n:hidden:\n:caption: Lessons\n\n" + lessons + "\n```\n\n"
-            "```{toctree}\n:hidden:\n:caption: The course\n\nCONTRIBUTING\n```\n")
+    pages = "\n".join([f"docs/{doc}" for doc in DOCS if (ROOT / "docs" / f"{doc}.md").is_file()] + ["CONTRIBUTING"])
+    return (shell_escapes_as_text(text) + "\n\n```{toctree}\n:hidden:\n:caption: Lessons\n\n" + lessons + "\n```\n\n"
+            "```{toctree}\n:hidden:\n:caption: The course\n\n" + pages + "\n```\n")
+
+
+def transform_gpus(text):
+    text = shell_escapes_as_text(text)
+    return text.replace("<this repository's URL>", REPOSITORY) if REPOSITORY else text
 
 
 def on_source_read(app, docname, source):
     if docname == "README":
         source[0] = transform_readme(source[0])
+    elif docname == "docs/gpus":
+        source[0] = transform_gpus(source[0])
     elif docname.startswith("notebooks/"):
         source[0] = transform_lesson(docname.split("/", 1)[1] + ".ipynb", source[0])
 

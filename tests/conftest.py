@@ -27,7 +27,8 @@ Plain helpers, imported by test modules as ``from conftest import register_by_va
   ``wait_until_listening(proc, port, what)`` (start the other "nodes" only once node 0 hosts the store):
   torchrun in its own session (``start_new_session=True``), so that killing its process group also kills
   its ranks (killing the agent alone leaves them running). ``torchrun_env()`` hides GPUs
-  (``CUDA_VISIBLE_DEVICES=""``) so scripts choose gloo on any machine, and binds gloo to loopback.
+  (``CUDA_VISIBLE_DEVICES=""``) so scripts choose gloo on any machine, binds gloo to loopback, and gives
+  torchrun a TMPDIR under this run's pytest temporary folder (its ``torchelastic_*`` logs land there).
 """
 import os
 import re
@@ -376,13 +377,28 @@ def kill_process_group(proc, grace=5.0):
 
 # ---- torchrun ---------------------------------------------------------------------------------
 
+_TMP_FACTORY = []  # pytest's tmp_path_factory of this run (the fixture below), for torchrun_env's TMPDIR
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_folders_of_this_run(tmp_path_factory):
+    _TMP_FACTORY.append(tmp_path_factory)
+    yield
+    _TMP_FACTORY.clear()
+
+
 def torchrun_env(**extra):
     """The environment of a torchrun launched by a test: gloo on loopback, no GPUs, one thread per rank,
-    the repository importable, and not 'under pytest' (the engine would hide its status line)."""
+    the repository importable, and not 'under pytest' (the engine would hide its status line). Its TMPDIR is a
+    fresh folder under this run's pytest temporary folder, where the agent's ``torchelastic_*`` log folder goes
+    (it never removes it): nothing is left in the machine's shared temporary folder
+    (tests/test_project.py::test_a_tests_torchrun_leaves_nothing_in_the_shared_temporary_folder)."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p)
     env.pop("PYTEST_CURRENT_TEST", None)
+    if _TMP_FACTORY:
+        env["TMPDIR"] = str(_TMP_FACTORY[0].mktemp("torchrun"))
     env.update(extra)
     return env
 

@@ -118,9 +118,10 @@ def _readme_quick_start():
 def test_readme_quick_start_is_the_two_make_targets():
     commands = _readme_quick_start()
     cpu = f"make lab TORCH_INDEX_URL={CPU_INDEX}"
-    assert list(commands) == ["make lab", "make test", cpu], (
-        f"the README's quick start promises two commands, and the first one's CPU-only variant: {commands}")
-    assert "CPU-only" in commands.pop(cpu), "README: the third line says it is the CPU-only build of torch"
+    assert list(commands) == [cpu, "make lab", "make test"], (
+        f"the README's quick start: the first command's CPU-only variant (the line a GPU-less laptop needs) first, "
+        f"then the two commands: {commands}")
+    assert "CPU-only" in commands.pop(cpu), "README: the first line says it is the CPU-only build of torch"
     for command, says in commands.items():
         assert "creates (or reuses) .venv" in says, f"README: `{command}` # {says}"
         target = command.split()[1]
@@ -353,7 +354,51 @@ def test_ci_installs_only_debians_chromium():
             f"{path.name} downloads a browser or other files; CI uses Debian's chromium only")
 
 
+# ---- what the tests leave behind ----------------------------------------------------------------
+
+def test_a_tests_torchrun_keeps_its_logs_in_the_runs_own_temporary_folder(tmp_path):
+    """torchrun's agent makes a torchelastic_* log folder in TMPDIR and never removes it: conftest's torchrun_env
+    points TMPDIR into this run's pytest folder (pytest prunes old runs), never the machine's shared one. (Only the
+    folder's place is checked: other processes on the machine may make torchelastic_* folders meanwhile.)"""
+    import tempfile
+
+    from conftest import finish, start_torchrun, torchrun_env
+
+    env = torchrun_env()
+    own, shared = Path(env["TMPDIR"]), Path(tempfile.gettempdir()).resolve()
+    assert own.is_dir() and own.resolve() != shared and not list(own.iterdir()), (
+        f"torchrun_env's TMPDIR should be a fresh folder of its own, not {shared}: {own}")
+    script = tmp_path / "one.py"
+    script.write_text("print('ran')\n")
+    out = finish(start_torchrun("--standalone", "--nproc-per-node=1", script=script, env=env), "torchrun")
+    assert "ran" in out, out
+    assert [p.name[:13] for p in own.iterdir()] == ["torchelastic_"], (
+        f"torchrun's log folder should be the one thing in its TMPDIR: {list(own.iterdir())}")
+
+
 # ---- the README's map and the package -----------------------------------------------------------
+
+STATED = re.compile(r"\*\*(?:Estimated time|Time):?\*\*:? about (\d+)(?:-(\d+))? minutes")  # test_lesson_lengths' own
+
+
+def test_the_readmes_total_time_is_the_lessons_own():
+    """The README's "about N hours" and lesson count, from each lesson's first cell (a range counts by its middle):
+    the figures tests/test_lesson_lengths.py holds each lesson to."""
+    import nbformat
+
+    minutes = 0.0
+    for path in LESSONS:
+        found = STATED.search(nbformat.read(path, as_version=4).cells[0].source)
+        assert found, f"{path.name}: its first cell should state '**Estimated time**: about N minutes'"
+        low = int(found.group(1))
+        minutes += (low + int(found.group(2) or low)) / 2
+    readme = (ROOT / "README.md").read_text()
+    said = re.search(r"\*\*Time:\*\* about (\d+) hours: (\d+) lessons", readme)
+    assert said, "README: '**Time:** about N hours: M lessons ...' near the top"
+    assert (int(said.group(1)), int(said.group(2))) == (round(minutes / 60), len(LESSONS)), (
+        f"README says about {said.group(1)} hours over {said.group(2)} lessons; the lessons state {minutes:.0f} "
+        f"minutes over {len(LESSONS)}: about {round(minutes / 60)} hours")
+
 
 def test_every_lesson_of_the_readme_map_exists():
     readme = (ROOT / "README.md").read_text()

@@ -1,5 +1,5 @@
-"""README promises of the engine that no other test checked (tests audit, issue 32 section 4): each test
-below fails on an engine that breaks the promise named in its name.
+"""Promises of docs/engine.md (the engine's specification) and docs/gpus.md (the Kaggle/Colab first cell) that no
+other test checks: each test below fails on an engine, or an install cell, that breaks the promise named in its name.
 
 %unload_ext starting a new server and multiprocessing finding cell-defined objects are tested in
 test_engine_leaks.py, with the engine changes that made them true.
@@ -170,7 +170,7 @@ def test_the_notebook_process_never_initialises_cuda_through_a_lesson():
     assert (status, out) == ("ok", "[] False\n"), f"the notebook process asked CUDA: {out}"
 
 
-# -- Kaggle/Colab: "run this first cell, before the lesson's setup cell" -----------------------------------------------
+# -- docs/gpus.md, Kaggle/Colab: "run this first cell, before the lesson's setup cell" ---------------------------------
 START_THE_COURSE = """
 import sys
 from IPython.core.interactiveshell import InteractiveShell
@@ -189,18 +189,18 @@ for cell in ("%load_ext course_utils", "%%ddp -n 2 --backend gloo\\nimport torch
 
 
 def test_the_kaggle_and_colab_first_cell_installs_a_course_that_starts(tmp_path):
-    """The README's first cell, line by line, in a fresh venv that already has torch (the platform's), with
+    """docs/gpus.md's first cell, line by line, in a fresh venv that already has torch (the platform's), with
     this repository's clone for its URL: no index is asked (PIP_NO_INDEX), and nothing but the course is
     installed."""
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Kaggle"):]
+    gpus = (ROOT / "docs" / "gpus.md").read_text()
+    section = gpus[gpus.index("## Kaggle"):]
     block = section[section.index("```python"):section.index("```", section.index("```python") + 3)]
     lines = [line.split("#")[0].strip() for line in block.splitlines() if line.strip().startswith("!pip")]
     assert len(lines) == 2 and "--no-deps" in lines[0], lines
     # Every process below (git, venv, pip, the build, the course and its IPython shell) gets a temporary HOME, XDG,
     # cache and IPython/Jupyter/matplotlib folders, and pip its own TMPDIR: nothing is written outside tmp_path (a
-    # rustup proxy on PATH once wrote ~/.rustup/settings.toml during the build, hence RUSTUP_HOME and CARGO_HOME)
+    # rustup proxy on PATH writes ~/.rustup/settings.toml during the build unless RUSTUP_HOME and CARGO_HOME move it)
     home = tmp_path / "home"
     private = {"HOME": home, "XDG_CACHE_HOME": home / ".cache", "XDG_CONFIG_HOME": home / ".config",
                "XDG_DATA_HOME": home / ".local" / "share", "XDG_STATE_HOME": home / ".local" / "state",

@@ -5,8 +5,10 @@
 One build serves the whole module (about 20 s on 2 idle cores, 45 s beside other tests; printed, not asserted):
 `make site` runs into a temporary folder, exactly the recipe a reader and .github/workflows/pages.yml run, with
 warnings as errors. The
-checks read its pages: one per lesson, each with as many output blocks and images as its notebook stores, launch
-links to notebooks that exist, the course's terms in the search index, no machine's path on any page. The last
+checks read its pages: one per lesson and one per docs/*.md page, each lesson with as many output blocks and images
+as its notebook stores, launch links to notebooks that exist (Colab and Kaggle only once pyproject.toml names the
+course's repository), the course's terms in the search index, no machine's path and no link to an address the course
+does not have on any page. The last
 ones open the site in headless Chromium (tests/test_browser.py's set-up: Debian's /usr/bin/chromium through
 Playwright): the home page and a lesson load with no console error, the lesson shows a stored ``[rank 0]`` output
 and its plot, the search box finds a term, lesson 00's first ``reveal`` cell stays folded until it is clicked.
@@ -14,7 +16,7 @@ They live in this module so that the one build serves them too (the
 root conftest.py keeps a module on one worker).
 
 Without Sphinx (Python 3.10: Sphinx 9 needs 3.11) or Chromium the tests that need them skip, and fail under CI=true.
-The stored outputs' scan for absolute paths needs neither.
+The stored outputs' scan for absolute paths and the Markdown files' links as a code host shows them need neither.
 """
 import html
 import json
@@ -43,7 +45,15 @@ except ModuleNotFoundError:  # Python 3.10
 
 BIN = Path(sys.executable).parent
 STAMP = ".venv/.installed"  # make -o treats the venv as installed: a test never reinstalls it
-REPOSITORY = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"].rstrip("/")
+# "" until the maintainer sets [project.urls] Repository: then no page may open or install from an address
+REPOSITORY = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {}).get(
+    "Repository", "").rstrip("/")
+DOCS = sorted(p.relative_to(ROOT).with_suffix("").as_posix() for p in (ROOT / "docs").glob("*.md"))
+MARKDOWN = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The addresses the course was given before it had any (a site and an organisation that do not exist), and the
+# launch services that need a real repository: no page, README or lesson may link to them.
+PLACEHOLDER = re.compile(r"micro-ddp\.github\.io|github\.com/micro-ddp(?:/|\b)")
+LAUNCHERS = re.compile(r"colab\.research\.google\.com|kaggle\.com/kernels")
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # myst-nb's choice among an output's mime types for HTML (its default nb_mime_priority, the types the lessons store)
 PRIORITY = [WIDGET_VIEW, "text/html", "image/svg+xml", "image/png", "image/jpeg", "text/markdown", "text/plain"]
@@ -171,15 +181,16 @@ def test_make_site_builds_with_warnings_as_errors(site):
 def test_one_page_per_lesson_and_the_home_page(built):
     pages = sorted(p.relative_to(built).as_posix() for p in built.rglob("*.html") if "_static" not in p.parts)
     lessons = [f"notebooks/{p.stem}.html" for p in LESSONS]
+    docs = [f"{doc}.html" for doc in DOCS]
     assert sorted(set(pages) - {"genindex.html", "search.html"}) == sorted(
-        lessons + ["README.html", "index.html", "CONTRIBUTING.html"]), pages
-    print(f"{len(pages)} pages: {len(lessons)} lessons, the home page (README.html and index.html), CONTRIBUTING, "
-          "search, index")
+        lessons + docs + ["README.html", "index.html", "CONTRIBUTING.html"]), pages
+    print(f"{len(pages)} pages: {len(lessons)} lessons, the home page (README.html and index.html), {docs}, "
+          "CONTRIBUTING, search, index")
     home = (built / "index.html").read_text()
     assert home == (built / "README.html").read_text(), "index.html is the home page (README.md)"
     for anchor in ("lesson-map", "quick-start"):
         assert f'id="{anchor}"' in home, f"the home page has no #{anchor} section"
-    for lesson in lessons:
+    for lesson in lessons + docs:
         assert f'href="{lesson}"' in home, f"the home page does not link {lesson}"
 
 
@@ -257,24 +268,59 @@ def test_each_lesson_page_shows_the_outputs_its_notebook_stores(built, path):
     assert not missing, f"{path.name}: images the page shows but the site lacks: {missing}"
 
 
-@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem[:2])
-def test_each_lesson_has_its_launch_links(built, path):
-    page = (built / "notebooks" / f"{path.stem}.html").read_text()
-    links = dict(re.findall(r'<a class="launch-(colab|kaggle|download)" href="([^"]+)"', page))
-    assert set(links) == {"colab", "kaggle", "download"}, f"{path.name}: launch links {links}"
-    blob = f"{REPOSITORY.removeprefix('https://github.com/')}/blob/main/"
+def _launch_links(page):
+    return dict(re.findall(r'<a class="launch-(colab|kaggle|download)" href="([^"]+)"', page))
+
+
+def _check_launch_links(name, links, text, repository):
+    """What a lesson page offers: Download .ipynb always; Colab, Kaggle and the install cell from ``repository``."""
+    if not repository:
+        assert set(links) == {"download"}, f"{name}: without a repository, Download .ipynb only: {links}"
+        assert "!pip install" not in text, f"{name}: an install cell with no address to install from"
+        return
+    assert set(links) == {"colab", "kaggle", "download"}, f"{name}: launch links {links}"
+    blob = f"{repository.removeprefix('https://github.com/')}/blob/main/"
     for where in ("colab", "kaggle"):
         target = re.search(rf"{re.escape(blob)}(notebooks/\d\d_[\w-]+\.ipynb)$", unquote(links[where]))
-        assert target, f"{path.name}: Open in {where} should open {blob}notebooks/NN_*.ipynb: {links[where]}"
-        assert target.group(1) == f"notebooks/{path.name}", f"{path.name}: Open in {where} opens {target.group(1)}"
+        assert target, f"{name}: Open in {where} should open {blob}notebooks/NN_*.ipynb: {links[where]}"
+        assert target.group(1) == f"notebooks/{name}", f"{name}: Open in {where} opens {target.group(1)}"
         assert (ROOT / target.group(1)).is_file(), f"{target.group(1)} does not exist"
     assert links["colab"].startswith("https://colab.research.google.com/github/"), links["colab"]
     assert links["kaggle"].startswith("https://kaggle.com/kernels/welcome?src="), links["kaggle"]
-    download = built / "notebooks" / links["download"]
-    assert download.read_bytes() == path.read_bytes(), f"Download .ipynb should give {path.name} as stored"
-    text = _text(page)
-    assert f'!pip install -q --no-deps "git+{REPOSITORY}"' in text, (
-        f"{path.name}: the page should show the Kaggle/Colab first cell that installs the course's package")
+    assert f'!pip install -q --no-deps "git+{repository}"' in text, (
+        f"{name}: the page should show the Kaggle/Colab first cell that installs the course's package")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem[:2])
+def test_each_lesson_has_its_launch_links(built, path):
+    page = (built / "notebooks" / f"{path.stem}.html").read_text()
+    links = _launch_links(page)
+    assert "download" in links, f"{path.name}: no Download .ipynb link: {links}"
+    assert (built / "notebooks" / links["download"]).read_bytes() == path.read_bytes(), (
+        f"Download .ipynb should give {path.name} as stored")
+    _check_launch_links(path.name, links, _text(page), REPOSITORY)
+
+
+@pytest.mark.parametrize("repository", ["", "https://github.com/example/course"], ids=["unset", "set"])
+def test_the_launch_links_follow_the_repository_setting(repository):
+    """docs/conf.py's launch cell with pyproject's Repository unset (today) and set: the set case is what a
+    published course shows, so it is checked before anyone publishes (the built pages check today's)."""
+    try:
+        import docutils  # noqa: F401  (docs/conf.py's directive needs it; Sphinx brings it)
+    except ImportError:
+        _missing("docutils is not installed")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("site_conf", ROOT / "docs" / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    conf.REPOSITORY = repository
+    name = LESSONS[0].name
+    cell = conf.launch_cell(name)["source"]
+    _check_launch_links(name, _launch_links(cell), html.unescape(cell), repository)
+    gpus = conf.transform_gpus((ROOT / "docs" / "gpus.md").read_text())
+    shown = f'"git+{repository}"' if repository else "git+<this repository's URL>"
+    assert shown in gpus, f"docs/gpus.md's first cell on the page should read {shown}"
 
 
 def _reveal_cells(path):
@@ -347,15 +393,76 @@ def test_no_page_publishes_a_machine_path(built):
 
 # ---- the site's promises elsewhere: the README and the deploy workflow -----------------------------------------------
 
-def test_the_readme_links_the_site_and_says_how_to_build_it():
+def test_the_readme_says_how_to_build_and_open_the_site_locally():
     readme = (ROOT / "README.md").read_text()
-    site = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Documentation"]
-    top = "\n".join(readme.splitlines()[:12])
-    assert re.search(rf"\*\*Read online:?\*\*.*\]\({re.escape(site)}\)", top), (
-        f"the README's first lines should say where to read the course online ({site}, pyproject's [project.urls])")
-    section = re.search(r"^### Build the site\s*$(.*?)(?=^##)", readme, re.M | re.S)
-    assert section and "make site" in section.group(1), "README: a 'Build the site' section with `make site`"
-    assert "pages.yml" in section.group(1), "README: the section says which workflow deploys the site"
+    assert re.search(r"`make site`.*\s+.*`docs/_build/html/index\.html`", readme), (
+        "README: how to build the site locally (`make site`) and what to open (docs/_build/html/index.html)")
+    section = re.search(r"^## The site\s*$(.*?)(?=^## )", (ROOT / "CONTRIBUTING.md").read_text(), re.M | re.S)
+    assert section and "make site" in section.group(1), "CONTRIBUTING.md: a 'The site' section with `make site`"
+    assert "pages.yml" in section.group(1), "CONTRIBUTING.md: the section says which workflow deploys the site"
+
+
+def _markdown_texts():
+    """Every Markdown text a reader sees: README, CONTRIBUTING, docs/*.md and each lesson's markdown cells."""
+    for path in MARKDOWN:
+        yield path.relative_to(ROOT).as_posix(), path.read_text()
+    for path in LESSONS:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "markdown":
+                yield f"{path.name} cell {i}", "".join(cell["source"])
+
+
+def test_no_file_links_to_an_address_the_course_does_not_have():
+    found = [f"{where}: {m.group(0)}" for where, text in _markdown_texts() for m in PLACEHOLDER.finditer(text)]
+    if not REPOSITORY:
+        found += [f"{where}: {m.group(0)}" for where, text in _markdown_texts() for m in LAUNCHERS.finditer(text)]
+    assert not found, f"links to addresses the course does not have (pyproject.toml's [project.urls]): {found}"
+
+
+def test_no_page_links_to_an_address_the_course_does_not_have(built):
+    found = {}
+    for page in sorted(built.rglob("*.html")):
+        if "_static" in page.relative_to(built).parts:
+            continue
+        hrefs = re.findall(r'href="([^"]+)"', page.read_text())
+        bad = [h for h in hrefs if PLACEHOLDER.search(h) or (not REPOSITORY and LAUNCHERS.search(h))]
+        if bad:
+            found[page.relative_to(built).as_posix()] = sorted(set(bad))[:3]
+    assert not found, f"pages that link to an address the course does not have: {found}"
+
+
+def _slug(heading):
+    """A heading's anchor as a code host and MyST make it: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_resolves_on_a_code_host():
+    """The Markdown files as a code host shows them (no build): each relative link names a file that exists, and
+    its #anchor a heading of that file."""
+    broken = []
+    for path in MARKDOWN:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.name} -> {target}")
+            elif anchor and dest.suffix == ".md":
+                headings = re.findall(r"^#+\s+(.+?)\s*$", re.sub(r"```.*?```", "", dest.read_text(), flags=re.S),
+                                      re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{path.name} -> {target} (no such heading)")
+    assert not broken, f"links that lead nowhere on a code host: {broken}"
+
+
+def test_the_readme_speaks_to_a_learner_not_of_the_machines_it_was_made_on():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme) <= 12_000, f"README.md is {len(readme):,} characters: the learner's page stays under 12,000"
+    said = [w for w in ("cannot run here", "these machines", "course's machines", "shared 2-core", "this machine's",
+                        "on this laptop") if w in readme]
+    assert not said, f"README.md speaks of the machines the course was developed on: {said}"
 
 
 def test_the_deploy_workflow_runs_make_site_and_publishes_its_folder():
@@ -432,7 +539,9 @@ def test_in_chromium_a_lesson_shows_rank_output_and_its_plot(browser, served):
     plot.scroll_into_view_if_needed()
     size = plot.evaluate("img => [img.complete, img.naturalWidth, img.naturalHeight]")
     assert size[0] and size[1] > 100 and size[2] > 100, f"lesson 00's plot did not load as an image: {size}"
-    assert page.locator("a.launch-colab").is_visible() and page.locator("a.launch-kaggle").is_visible()
+    assert page.locator("a.launch-download").is_visible(), "lesson 00 shows no Download .ipynb link"
+    for where in ("colab", "kaggle"):  # only once pyproject.toml names the course's repository
+        assert page.locator(f"a.launch-{where}").count() == bool(REPOSITORY), f"Open in {where}, with {REPOSITORY!r}"
     page.close()
 
 
