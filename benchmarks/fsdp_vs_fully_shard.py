@@ -14,8 +14,8 @@ Per configuration the script prints, for each implementation:
   noisy machine slows both alike, the slowest rank's;
 - peak memory per rank over one whole step, from torch's ``MemTracker`` (``course_utils.memory.peak_memory``).
 
-The ratios MicroFSDP / FSDP2 are printed with them, against the targets of issue 21 (bytes equal,
-time within 1.3x, peak within 1.1x): what this machine measured, pass or not.
+The ratios MicroFSDP / FSDP2 are printed with them, against what a faithful MicroFSDP should reach (bytes
+equal, time within 1.3x, peak within 1.1x): what this machine measured, pass or not.
 """
 import argparse
 import sys

@@ -238,7 +238,7 @@ def test_describe_model_fit_never_calls_a_measurement_on_the_model_below_it():
 
 
 def test_describe_model_fit_with_the_stored_run_that_fooled_it():
-    """The stored run of 03 (issue 42): the shared-link model ranked it; against that model every algorithm is
+    """The stored run of 03: the shared-link model ranked it; against that model every algorithm is
     within the band (ring 1.3-1.4x, chunked 1.0-1.15x), while the old text judged ring and chunked against the
     dedicated-links model (5.2-5.6x, 4.0-4.6x) and blamed Python's cost per call, which the ping-pong's alpha
     (Python send/recv over the same loopback) already holds."""

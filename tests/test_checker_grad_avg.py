@@ -240,7 +240,7 @@ def test_factor_names():
     assert _explain_factor(1.7, 4, 3, 5) is None, "1.7 is no product of 4, 3 and 5"
 
 
-# -- near misses: the tolerance itself is tested (issue 18) -------------------------------------
+# -- near misses: the tolerance itself is pinned from both sides ----------------------------------
 def just_above_tolerance(model, micro_batches):  # right, then scaled by 1 + 100 x RTOL
     right_avg(model, micro_batches)
     for p in model.parameters():
@@ -276,7 +276,7 @@ def test_a_bfloat16_reduction_is_close_but_rejected(cluster):
         check_grad_averaging(reduced_in_bfloat16, cluster=cluster)
 
 
-# -- unequal micro-batches (issue 13) -------------------------------------------------------------
+# -- unequal micro-batches: weighting by tokens, not by micro-batches -----------------------------
 def token_weighted(model, micro_batches):
     n_global = torch.tensor(float(sum(len(x) for x, _ in micro_batches)), dtype=torch.float64)
     dist.all_reduce(n_global)

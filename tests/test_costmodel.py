@@ -278,8 +278,8 @@ def test_plots_build():
     plt.close("all")
 
 
-# Lesson 10's stored sweep that the old text left unexplained (issue 42): the same 2.1 MB all-reduce measured 1.6 to
-# 5.8 ms inside the steps, the largest beside the largest compute, while the model said 1.3 ms.
+# Lesson 10's stored sweep, which a fixed sentence cannot explain: the same 2.1 MB all-reduce measured 1.6 to 5.8 ms
+# inside the steps, the largest beside the largest compute, while the model said 1.3 ms. The verdict must.
 STORED_COMM = [2.2e-3, 2.4e-3, 1.6e-3, 5.8e-3, 3.0e-3, 2.8e-3, 5.1e-3, 3.2e-3]
 STORED_COMPUTE = [1.8e-3, 2.5e-3, 7.3e-3, 20.7e-3, 4.3e-3, 9.0e-3, 23.6e-3, 73.7e-3]
 

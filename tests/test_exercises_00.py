@@ -37,7 +37,7 @@ def test_a_missing_definition_says_which_cell_to_run(cluster):
 
 
 def test_a_slow_check_shows_a_live_status_line_in_a_notebook_and_blanks_it(cluster, monkeypatch):
-    """Issue 42: a checker's Cluster.run from a notebook cell shows the %%ddp cell's live status line once it has
+    """A checker's Cluster.run from a notebook cell shows the %%ddp cell's live status line once it has
     run for a second, and blanks that line (only, no clear_output) when it ends."""
     import IPython
     import IPython.display

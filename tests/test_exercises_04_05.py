@@ -270,7 +270,7 @@ def test_describe_race_follows_the_numbers():
         bench.describe_race(lib, _rows([1e-3, 1e-3]))
 
 
-# lesson 04's stored sweep that the old text contradicted (issue 42): 16 and 64 MiB, the hand ring 1.32x-1.92x faster
+# lesson 04's stored sweep, which fixed prose would contradict: at 16 and 64 MiB the hand ring is 1.32x-1.92x faster
 STORED_SIZES = [4096 * 4**i for i in range(8)]
 STORED_LIB = [5329.2e-6, 7028.9e-6, 6708.7e-6, 6510.4e-6, 9593.4e-6, 14930.2e-6, 59458.4e-6, 176743.9e-6]
 STORED_RING = [4205.4e-6, 6603.8e-6, 6348.7e-6, 7273.7e-6, 8225.7e-6, 10846.4e-6, 31043.8e-6, 134273.6e-6]
@@ -363,7 +363,7 @@ def test_describe_busbw_spread():
 
 
 def test_describe_busbw_spread_weighs_the_copies_and_the_turns():
-    """The stored run (issue 42): reduce_scatter 1.43x all_reduce at 4 MiB, about 6 ms more, where the clone and
+    """The stored run: reduce_scatter 1.43x all_reduce at 4 MiB, about 6 ms more, where the clone and
     the slice copy 5 MiB at the stored 8.44 GB/s (0.62 ms): the copies do not explain it, and the verdict says
     that what does is not known. Overlapping turns make it noise; a small extra is the copies."""
     S = 4 * 2**20

@@ -49,7 +49,7 @@ The rule (what fails the test):
   if ... == "nccl" else torch.device("cpu")``) counts as moved.
 
 Also reported, without failing: the census of tensor constructors without ``device=`` in those cells
-(the issue's "CPU-tensor constructions"); most are fine (drawn on the CPU, then moved).
+(tensors drawn on the CPU); most are fine (drawn on the CPU, then moved).
 
 The scan is heuristic in one documented way: a function that a cell defines but does not call (it hands
 it to a helper) is checked with its parameters taken from the notebook's names of the same name (the
@@ -64,7 +64,7 @@ import pytest
 
 from conftest import LESSONS, ROOT, in_ci
 
-OLD = "6afd948"  # the notebooks of issue 22, before any lesson was made right for NCCL
+OLD = "6afd948"  # the lessons before any was made right for NCCL: cells known to crash there, the scan's positives
 EMPTY = frozenset()
 CPU, DEV = frozenset({"cpu"}), frozenset({"dev"})
 
@@ -789,7 +789,7 @@ def test_no_cpu_tensor_or_model_reaches_a_collective_in_a_cell_that_can_run_on_n
                      "\n".join(f"  {m}" for ms in bad.values() for m in ms))
 
 
-# Issue 22's list (0-based cell indices of the notebooks at OLD). 02: every cell that hands a tensor to a
+# The cells of the lessons at OLD that crash on NCCL (0-based indices). 02: every cell that hands a tensor to a
 # collective; cell 5 defines tensors only and cell 28 uses all_gather_object (no tensor), so neither fails.
 OLD_FAILING = {
     "01_data_parallelism.ipynb": {8, 12, 16, 20, 25, 31},
@@ -797,7 +797,7 @@ OLD_FAILING = {
     "03_all_reduce_by_hand.ipynb": {3, 7, 11},
     "11_capstone_micro_ddp.ipynb": {3, 7, 9, 15, 18, 21, 23},
 }
-# The issue lists 09 cells 3 and 34 too, for their CPU-tensor constructions: cell 3 indexes its
+# 09 cells 3 and 34 at OLD construct CPU tensors too, and work on NCCL: cell 3 indexes its
 # device-resident data with a CPU index from a seeded CPU generator, cell 34 draws with a CPU generator and
 # moves the draws with .to(device). Both work on NCCL, so they are in the census, not among the failures.
 OLD_CENSUS_ONLY = {"09_compression.ipynb": {3, 34}}
@@ -813,7 +813,7 @@ def _old(name):
 
 
 @pytest.mark.parametrize("name", sorted(OLD_FAILING), ids=str)
-def test_the_scan_catches_every_cell_issue_22_listed_on_the_old_notebooks(name):
+def test_the_scan_catches_every_cell_known_to_crash_on_nccl_in_the_old_lessons(name):
     found = Scanner(_reader_at(OLD)).scan_notebook(_old(name))
     flagged = set(_errors(found))
     missed = OLD_FAILING[name] - flagged
@@ -823,7 +823,7 @@ def test_the_scan_catches_every_cell_issue_22_listed_on_the_old_notebooks(name):
                                              f"{sorted(flagged - OLD_FAILING[name])}"
 
 
-def test_the_issues_cpu_construction_cells_of_09_are_in_the_census_and_09s_errors_are_named():
+def test_09s_old_cpu_constructions_that_work_on_nccl_are_in_the_census_not_the_errors():
     found = Scanner(_reader_at(OLD)).scan_notebook(_old("09_compression.ipynb"))
     for i in OLD_CENSUS_ONLY["09_compression.ipynb"]:
         assert found[i]["notes"], f"09 cell {i}: its CPU constructions must be in the census"
