@@ -505,27 +505,32 @@ def fix_gloo_dumps(folder):
 _ANALYZED = {}
 
 
-def analyze(dumps, *args):
+def analyze(dumps, *args, first=0):
     """``python -m torch.distributed.flight_recorder.fr_trace <folder> --allow-incomplete-ranks *args``: torch's
     analyzer, its output with the folder and torch's install path shortened. ``dumps``: a ``Job`` (its dumps go to
     a temporary folder for the analyzer, removed after) or a folder of dumps ``fr_<rank>`` (fixed in place by
-    ``fix_gloo_dumps`` first). The same dumps are analyzed once: a second call returns the first one's text."""
+    ``fix_gloo_dumps`` first). The same dumps are analyzed once: a second call returns the first one's text.
+
+    ``first``: the rank whose dump the analyzer reads first. fr_trace matches every rank's record against the
+    first dump it loads and names as "culprit" the ranks that differ from it; on its own it loads the files in the
+    order ``os.walk`` lists them (the file system's order), so ``analyze`` fixes it: rank ``first``'s dump, then
+    the others sorted. Introduced in 17_debugging_and_profiling."""
     import hashlib
 
     if isinstance(dumps, Job):
         with tempfile.TemporaryDirectory(prefix="fr_") as folder:
             for rank, data in dumps.dumps().items():
                 Path(folder, f"fr_{rank}").write_bytes(data)
-            return analyze(folder, *args)
+            return analyze(folder, *args, first=first)
     folder = Path(dumps)
     fix_gloo_dumps(folder)
-    key = (args, tuple((rank, hashlib.sha256(data).hexdigest()) for rank, data in _dumps_of(folder).items()))
+    key = (args, first, tuple((rank, hashlib.sha256(data).hexdigest()) for rank, data in _dumps_of(folder).items()))
     if key not in _ANALYZED:
-        _ANALYZED[key] = _analyze(folder, args)
+        _ANALYZED[key] = _analyze(folder, args, first)
     return _ANALYZED[key]
 
 
-def _analyze(folder, args):
+def _analyze(folder, args, first=0):
     """fr_trace's ``main`` in this process (a Python of its own would import torch again: seconds), its stdout then
     its stderr, as ``python -m torch.distributed.flight_recorder.fr_trace`` prints them."""
     import contextlib
@@ -543,9 +548,10 @@ def _analyze(folder, args):
     handlers = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
     saved = [h.stream for h in handlers], logger.level, logger.propagate, gc.isenabled(), os.walk
     walk = os.walk
-    # fr_trace matches the ranks' records starting from the first dump os.walk lists; sorted, that is rank 0's
-    # on every file system, so its "culprit" is named against rank 0
-    os.walk = lambda *a, **k: ((r, d, sorted(f)) for r, d, f in walk(*a, **k))
+    # fr_trace matches the ranks' records starting from the first dump os.walk lists: rank `first`'s here, on every
+    # file system, so its "culprit" is named against that rank (tests/test_debugging.py reads it both ways)
+    order = lambda name: (name != f"fr_{first}", name)
+    os.walk = lambda *a, **k: ((r, d, sorted(f, key=order)) for r, d, f in walk(*a, **k))
     for h in handlers:
         h.setStream(err)
     logger.propagate = False                         # what it says goes to err only, not to pytest's or IPython's
@@ -581,6 +587,39 @@ def _tidy(text, folder):
         line = re.sub(r"\S*/(planted_bugs\.py)", r"\1", line)
         lines.append(line.rstrip())
     return "\n".join(lines).strip()
+
+
+def tool_verdict(job, tool):
+    """What ``tool`` ("plain job", "Flight Recorder" or "DETAIL") made of ``job``, in a few words chosen from the
+    run itself: lesson 17's table of the five planted bugs."""
+    if tool == "plain job":
+        if job.died():                                    # a rank killed by a signal (not torchrun's SIGTERM)
+            rank, how = job.died()[0]
+            return f"torchrun: rank {rank} died ({how})"
+        if job.returncode == 0:
+            return "finished, replicas differ; no word" if job.replicas_agree() is False else "finished"
+        return "every rank timed out; nothing says where"
+    if tool == "Flight Recorder":
+        text = analyze(job)
+        if "Culprit rank" in text:
+            seq = text.split("Collective sequence number: ")[1].split()[0]
+            what = "dtypes" if "DTYPE_MISMATCH" in text else "types"
+            return f"names collective #{seq} and both {what}"
+        return f"only rank(s) {sorted(job.dumps())} dumped: no verdict"
+    summary = job.detail_summary()
+    if "mismatch" in summary:
+        return "names both sides' collective" + (" and tensors" if "tensor [9]" in summary else "")
+    return "its barrier fails: a rank never arrived" if barrier_error(job.last_words(0)) else "nothing"
+
+
+def verdict_table(jobs):
+    """``jobs``: ``{bug: (plain job, the same bug with DETAIL)}``. One row per bug: what the plain job, the Flight
+    Recorder with fr_trace, and DETAIL said (``tool_verdict``). Introduced in 17_debugging_and_profiling."""
+    rows = [f"{'bug':<6} | {'plain job':<40} | {'Flight Recorder + fr_trace':<38} | DETAIL"]
+    for bug, (plain, detail) in jobs.items():
+        rows.append(f"{bug:<6} | {tool_verdict(plain, 'plain job'):<40} | "
+                    f"{tool_verdict(plain, 'Flight Recorder'):<38} | {tool_verdict(detail, 'DETAIL')}")
+    return "\n".join(rows)
 
 
 def dump_entries(dump):
@@ -867,35 +906,69 @@ def describe_detail_cost(plain, detail, collectives_per_step=2, noise=1.2):
         extra = 1e3 * (d - p) / collectives_per_step
         return (f"{head}: DETAIL made it {d / p:.1f}x slower, about {extra:.1f} ms more per collective for the "
                 "checks it runs before each one.")
+    if p >= noise * d:
+        return (f"{head}: the plain steps were {p / d:.1f}x slower, so this machine's load, not DETAIL, set these "
+                "times (the two jobs ran at once; run it again, or alone, to see DETAIL's cost).")
     return (f"{head}: within {noise}x of each other, so this run cannot tell DETAIL's checks from this machine's "
             "noise (its per-collective cost is a few small messages on loopback; run it again, or alone).")
 
 
-def describe_hidden_fractions(hand, traced, band=0.25):
-    """The sentence after "Measured here:" for lesson 17's two measures of overlap: ``hand[r]`` and ``traced[r]``
-    are rank r's hidden fractions over the profiled steps, from lesson 07's hand-made timeline (each all-reduce
-    from its launch in the comm hook to its callback) and from the trace (gloo's own run of each all-reduce).
-    Compares the medians per rank against ``band`` and, where they differ by more, names the reason the numbers
-    point to: a hand-made figure lower than the trace's means the callbacks ran late (a callback needs the GIL,
-    which backward holds, and a loaded machine delays it further); a higher one means the all-reduces waited
-    in gloo's queue during backward (the hand-made interval counts that wait, hidden; the trace only the run)."""
+LAUNCH_MARK = "hook: launch"
+
+
+def hand_made_extra(events, launched, comm="gloo:all_reduce", marker=LAUNCH_MARK):
+    """How lesson 07's hand-made timeline of one profiled DDP step differs from the trace's runs of the same
+    all-reduces. ``launched``: the hook's ``(launch, callback)`` times (``time.perf_counter``), each launch read
+    inside a ``record_function(marker)`` range, so that the trace holds it too: the two clocks are aligned on the
+    launches (the median of their differences). The runs are the ``comm`` events inside the step.
+
+    Returns, in seconds, ``waited`` and ``after``: per all-reduce, paired with the launches in order (gloo's worker
+    threads take the queued all-reduces in turn), the time from the launch to the run's start and from the run's
+    end to the callback; and ``early``: how far the k-th run to start began before the k-th launch, at most
+    (sorted, so no pairing is assumed; 0.0 when every run started after a launch of its own, as causality wants,
+    up to the clocks' alignment). Introduced in 17_debugging_and_profiling."""
     import statistics
 
-    parts, reasons = [], []
+    marks = sorted(e["ts"] / 1e6 for e in _named(events, marker))
+    hand = sorted(launched)
+    if not marks or len(marks) != len(hand):
+        raise ValueError(f"{len(marks)} '{marker}' ranges in the trace for {len(hand)} launches: read each launch's "
+                         f"time inside torch.profiler.record_function({marker!r})")
+    offset = statistics.median(m - a for m, (a, _) in zip(marks, hand))
+    hand = [(a + offset, b + offset) for a, b in hand]
+    (step,) = _named(events, "step")
+    s0, s1 = step["ts"] / 1e6, (step["ts"] + step["dur"]) / 1e6
+    runs = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in _named(events, comm)
+                  if s0 <= e["ts"] / 1e6 <= s1)
+    if len(runs) != len(hand):
+        raise ValueError(f"{len(runs)} '{comm}' events in the step for {len(hand)} launches")
+    return {"waited": [r0 - a for (a, _), (r0, _) in zip(hand, runs)],
+            "after": [b - r1 for (_, b), (_, r1) in zip(hand, runs)],
+            "early": max(0.0, max(a - r0 for (a, _), (r0, _) in zip(hand, runs)))}
+
+
+def describe_hidden_fractions(hand, traced, extra, band=0.25):
+    """The sentence after "Measured here:" for lesson 17's two measures of overlap: ``hand[r]`` and ``traced[r]``
+    are rank r's hidden fractions over the profiled steps, from lesson 07's hand-made timeline (each all-reduce
+    from its launch in the comm hook to its callback) and from the trace (gloo's own run of each all-reduce);
+    ``extra[r]`` is rank r's ``hand_made_extra`` ``waited`` and ``after`` lists over the same steps, joined. Compares
+    the medians per rank against ``band``; where they differ by more, it gives the measured reason: how long the
+    hand-made intervals ran before gloo started each all-reduce (queued) and after it finished, the time the
+    trace does not count. The sentence carries the numbers it rests on."""
+    import statistics
+
+    parts, gaps = [], []
     for r in range(len(hand)):
         h, t = statistics.median(hand[r]), statistics.median(traced[r])
         parts.append(f"rank {r} hid {t:.2f} of its communication behind backward by the trace, {h:.2f} by the "
                      f"hand-made timeline")
         if abs(h - t) <= band:
             continue
-        if h < t:
-            reasons.append(f"rank {r}'s hand-made figure is {t - h:.2f} lower: its callbacks ran late, after "
-                           "gloo had finished (a callback needs the GIL that backward holds, and load delays it)")
-        else:
-            reasons.append(f"rank {r}'s hand-made figure is {h - t:.2f} higher: its all-reduces queued behind "
-                           "each other during backward, a wait the hand-made interval counts as hidden and the "
-                           "trace does not")
-    verdict = (f"the two agree within {band} on every rank" if not reasons else "; ".join(reasons))
+        waited, after = (1e3 * statistics.median(extra[r][k]) for k in ("waited", "after"))
+        gaps.append(f"rank {r}'s hand-made figure is {abs(h - t):.2f} {'lower' if h < t else 'higher'}: its "
+                    f"intervals began a median {waited:.1f} ms before gloo ran each all-reduce (queued behind "
+                    f"another bucket) and ended {after:.1f} ms after it, time the trace does not count")
+    verdict = f"the two agree within {band} on every rank" if not gaps else "; ".join(gaps)
     return "; ".join(parts) + f". {verdict[0].upper()}{verdict[1:]}."
 
 

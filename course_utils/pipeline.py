@@ -335,3 +335,25 @@ def plot_timeline(events, title="", ax=None, unit=1.0):
     ax.invert_yaxis()
     ax.set_title(title, fontsize=9)
     return ax
+
+
+def plot_bubble_study(timelines, measured, ms=(1, 2, 4, 8)):
+    """Lesson 15's figure of the measured bubble: GPipe's timelines at p = 4 with m = 1 and m = 8, and every
+    measured idle fraction (``measured[p, m]``) beside (p - 1)/(m + p - 1) for p = 2 and 4. ``timelines[p, m]``:
+    every stage's ``(stage, action, start, end)`` of one step. Introduced in 15_beyond_data_parallelism."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 2.6), gridspec_kw={"width_ratios": [1, 1, 0.8]})
+    plot_timeline(timelines[4, ms[0]], f"GPipe, 4 stages, m = {ms[0]}", ax=axes[0], unit=1e-3)
+    plot_timeline(timelines[4, ms[-1]], f"GPipe, 4 stages, m = {ms[-1]}", ax=axes[1], unit=1e-3)
+    for ax in axes[:2]:
+        ax.set_xlabel("ms from the common start")
+    fig.suptitle("light: forward, dark: backward, white: the bubble", fontsize=9)
+    for p, colour in ((2, "tab:orange"), (4, "tab:blue")):
+        axes[2].plot(ms, [bubble_fraction(p, m) for m in ms], "--", color=colour, label=f"(p-1)/(m+p-1), p={p}")
+        axes[2].plot(ms, [measured[p, m] for m in ms], "o", color=colour, label=f"measured, p={p}")
+    axes[2].set_xlabel("micro-batches m")
+    axes[2].set_ylabel("idle fraction")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
