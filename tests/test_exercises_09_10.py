@@ -1,4 +1,5 @@
-"""The exercises of 09_compression and 10_tradeoffs: each self-check rejects the unmodified scaffold
+"""The exercises of 09_compression and 10_tradeoffs (09's exercise 2 has its own module,
+tests/test_checker_tightest_rtol.py): each self-check rejects the unmodified scaffold
 and typical wrong answers with a reason a learner can act on, and accepts the course's solution.
 
 The exercise cells are taken from the notebooks themselves (found by a marker in their source), with
@@ -7,11 +8,10 @@ runs them: on 2 gloo ranks (``%%ddp`` cells) or in this process.
 
     .venv/bin/python -m pytest tests/test_exercises_09_10.py -p no:randomly
 """
-import functools
 import pytest
 
 from course_utils import costmodel, hooks
-from course_utils.checks.comm_hook import check_fp16_powersgd_bytes, check_tightest_rtol
+from course_utils.checks.comm_hook import check_fp16_powersgd_bytes
 from course_utils.costmodel import Calibration
 from exercise_helpers import notebook_cell, solution_off
 
@@ -120,35 +120,6 @@ def test_09_exercise_1_checker_notices_a_wrong_measurement():
 
     with pytest.raises(AssertionError, match="the counter measured 1668 bytes"):
         check_fp16_powersgd_bytes(834, 1668, make_model(0, d_in=32, d_hidden=128))
-
-
-# -- 09_compression, exercise 2: the tightest power-of-ten rtol for fp16_hook --------------------------------
-def run_09_exercise_2(cluster, rtol_line):
-    source = notebook_cell("09_compression.ipynb", "check_tightest_rtol", ddp_line=False)
-    if rtol_line is not None:
-        source = learner(source, rtol=("rtol = None", rtol_line))
-    imported = "from course_utils.checks import check_tightest_rtol\n"
-    assert imported in source, "the cell imports its self-check from course_utils.checks"
-    source = source.replace(imported, "")   # the test's own cluster instead: partial(..., cluster=cluster)
-    exec(compile(source, "exercise_2", "exec"),
-         {"hooks": hooks, "check_tightest_rtol": functools.partial(check_tightest_rtol, cluster=cluster)})
-
-
-def test_09_exercise_2_solution_passes(cluster):
-    assert hooks.fp16_tightest_rtol() == pytest.approx(1e-3)
-    run_09_exercise_2(cluster, None)
-    run_09_exercise_2(cluster, "rtol = 1e-3")
-
-
-@pytest.mark.parametrize("rtol, reason", [
-    ("None", "rtol is None"),
-    ("1e-4", "is too tight"),               # 2^-11 read as "about 1e-4"
-    ("1e-2", "so does rtol=0.001"),         # passes, but not the tightest
-    ("2 ** -11", "is not a power of ten"),  # the rounding error itself
-])
-def test_09_exercise_2_wrong_answers_fail_with_a_reason(cluster, rtol, reason):
-    with pytest.raises(AssertionError, match=reason.replace("(", r"\(").replace(")", r"\)")):
-        run_09_exercise_2(cluster, f"rtol = {rtol}")
 
 
 def test_10_world_size_slider_takes_powers_of_two_and_labels_do_not_collide():

@@ -144,15 +144,11 @@ def _diagnose(got, ref, world_size, rtol):
     if err < 0.5:
         return (f"the hook's gradients are close to DDP's average but not within the tolerance: relative "
                 f"error {err:.1e}, allowed rtol={rtol:g}. A lossy (compressed) hook is never exact: if "
-                f"that is what you wrote, pass a looser tolerance, e.g. rtol={_looser(err):g}.")
+                "that is what you wrote, pass an rtol that admits the rounding of the dtype it sends (how many "
+                "significant bits does that dtype keep?).")
     return (f"the hook's gradients differ from DDP's average by a relative error of {err:.2e} "
             f"(allowed: rtol={rtol:g}), and they are not a scaled copy either: garbage. Is every rank "
             "reducing the same elements, and is the result copied back in the right order?")
-
-
-def _looser(err):
-    """A round tolerance a little above ``err``: 4.1e-4 -> 1e-3."""
-    return 10 ** math.ceil(math.log10(err * 1.5))
 
 
 def check_comm_hook(hook, state=None, rtol=1e-5, *, steps=3, world_size=None, cluster=None,
@@ -168,7 +164,8 @@ def check_comm_hook(hook, state=None, rtol=1e-5, *, steps=3, world_size=None, cl
     - ``state``: passed to ``register_comm_hook``; a zero-argument callable (e.g. a lambda
       building a ``PowerSGDState``) is called on each rank to build a fresh per-rank state.
     - ``rtol``: allowed relative error ``||g_hook - g_ddp|| / ||g_ddp||`` per step. The default
-      suits lossless hooks; loosen it for compressed ones (fp16 ~1e-3, bf16 ~1e-2, PowerSGD more).
+      suits lossless hooks; loosen it for compressed ones, by as much as the dtype they send rounds
+      (09_compression's exercise 2 finds the tightest for fp16 and bf16), PowerSGD more.
     - Runs on the ``%%ddp`` cluster when one is running, else on a ``world_size``-rank cluster
       (default 2) that is started once and reused; or pass ``cluster=``.
 
@@ -325,7 +322,7 @@ def check_fp16_wrapper(wrap, rtol=1e-3, *, world_size=None, cluster=None, timeou
     if sent != [2 * n] * len(sent):
         raise AssertionError(f"{name}: {sent} bytes per step for {n} gradients; float16 is 2 bytes per gradient "
                              f"({2 * n}). Does the wrapper issue collectives of its own?")
-    print(f"check_fp16_wrapper: {name} averages like DDP (rtol={rtol:g}) and sends {2 * n} bytes per step for "
+    print(f"check_fp16_wrapper: {name} averages like DDP to float16's rounding and sends {2 * n} bytes per step for "
           f"{n} gradients: 2 per gradient, half of float32")
 
 
@@ -369,32 +366,41 @@ def check_fp16_powersgd_bytes(predicted, measured, model, rank=1):
                    "number after the wrapper's cast."))
 
 
+_SIGNIFICANT_BITS = {"fp16_hook": ("float16", 11), "bf16_hook": ("bfloat16", 8)}
+
+
 def check_tightest_rtol(rtol, hook=None, **check_kwargs):
     """Self-check of 09_compression exercise 2: is ``rtol`` the tightest power of ten for which
-    ``check_comm_hook(hook, rtol=rtol)`` passes (``hook`` defaults to ``fp16_hook``)?
+    ``check_comm_hook(hook, rtol=rtol)`` passes (``hook`` defaults to ``fp16_hook``; the exercise asks it for
+    ``fp16_hook`` and for ``bf16_hook``)?
 
     Runs the checker at ``rtol`` and at ``rtol / 10``. ``check_kwargs`` go to ``check_comm_hook``
-    (e.g. ``cluster=``). Raises ``AssertionError`` with what is wrong; quiet when right."""
+    (e.g. ``cluster=``). Raises ``AssertionError`` with what is wrong, never the answer; quiet when right."""
     __tracebackhide__ = True  # noqa: F841
     from course_utils.hooks import fp16_hook
 
     hook = fp16_hook if hook is None else hook
+    name = getattr(hook, "__name__", repr(hook))
+    dtype, bits = _SIGNIFICANT_BITS.get(name, ("the dtype it sends", None))
     if rtol is None:
-        raise AssertionError("rtol is None: set it to the tightest power of ten (1e-1, 1e-2, ...) for which "
-                             f"check_comm_hook({hook.__name__}, rtol=rtol) passes, then run the cell again.")
+        raise AssertionError(f"the rtol for {name} is None: set it to the tightest power of ten (1e-1, 1e-2, ...) "
+                             f"for which check_comm_hook({name}, rtol=...) passes, then run the cell again.")
     if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol > 0 or not math.isclose(
             10.0 ** round(math.log10(rtol)), rtol, rel_tol=1e-9):
-        raise AssertionError(f"rtol = {rtol!r} is not a power of ten: the question asks for one of 1e-1, 1e-2, "
-                             "1e-3, ...")
+        raise AssertionError(f"rtol = {rtol!r} for {name} is not a power of ten: the question asks for one of "
+                             "1e-1, 1e-2, 1e-3, ..., the tightest that passes.")
     try:
         check_comm_hook(hook, rtol=rtol, quiet=True, **check_kwargs)
     except AssertionError:
-        raise AssertionError(
-            f"rtol={rtol:g} is too tight: check_comm_hook rejects {hook.__name__} with it. How large is float16's "
-            "rounding error relative to the number it rounds (11 significant bits)? Loosen it.") from None
+        why = (f"How large is {dtype}'s rounding error relative to the number it rounds ({bits} significant bits)?"
+               if bits else "How large is the rounding of the dtype it sends?")
+        if name == "bf16_hook" and rtol < 1e-2:
+            why += " bfloat16 keeps 3 significant bits fewer than float16: 8x its rounding error."
+        raise AssertionError(f"rtol={rtol:g} is too tight: check_comm_hook rejects {name} with it. {why} "
+                             "Loosen it.") from None
     try:
         check_comm_hook(hook, rtol=rtol / 10, quiet=True, **check_kwargs)
     except AssertionError:
         return
-    raise AssertionError(f"rtol={rtol:g} passes, but so does rtol={rtol / 10:g}: the question asks for the "
-                         "tightest power of ten. Tighten it.")
+    raise AssertionError(f"rtol={rtol:g} passes for {name}, but so does rtol={rtol / 10:g}: the question asks for "
+                         "the tightest power of ten. Tighten it.")
