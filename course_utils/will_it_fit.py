@@ -3,10 +3,17 @@
 Introduced for 16_fine_tuning_small_cards's FAQ (scripts/will_it_fit.py is its command line). Lessons 14 and 16
 measure the article's examples with ``course_utils.true_size``; ``will_it_fit`` does the same for any Llama-family
 decoder (Llama 2/3, Mistral, Qwen2/2.5: a named shape, a ``config.json`` or a hub name) on the cards the reader
-names, and picks a plan::
+names, picks a plan and prints the scripts/finetune.py command that runs it::
 
     plan = will_it_fit("llama-2-7b", "2x24GiB", method="lora")
     print(plan.report())
+
+Every row is a setting of scripts/finetune.py, measured as the script runs it (``_jobs``): ``--strategy ddp``,
+``zero2`` (``course_utils.zero.ShardedOptimizer(reduce_scatter=True)``) or ``fsdp``; full fine-tuning in fp32
+weights, gradients and AdamW moments, under ``mixed`` with bf16 autocast on a replica and FSDP2's bf16 compute
+policy; LoRA over a bf16 (``mixed``) or fp32 base with fp32 adapters; AdamW as the script builds it, which on a GPU
+is ``foreach=True`` (``FOREACH``). The printed command keeps the measured micro-batch and reaches the reader's global
+batch (``global_batch``, default 32 sequences) with accumulation steps.
 
 How each row is found (the ``how`` column says which):
 
@@ -18,8 +25,8 @@ How each row is found (the ``how`` column says which):
   to the byte. (FSDP2's peak moment changes with the depth at small depths, so it is measured whole.)
 - **+ bucket**: DDP's copy of the gradients (``gradient_as_bucket_view=False``), allocated in C++ where no tensor
   meter sees it, counted at the gradients' dtype, from the measured parameter count.
-- **counted on a measured replica**: ZeRO-1 and ZeRO-2, and every mixed-precision replica row, from
-  ``true_size.replica_strategies`` (the ZeRO paper's 2 + 2 + 12 bytes on a replica measured in pure bf16).
+- **counted on a measured replica**: full fine-tuning's DDP and ZeRO-2 rows, from ``true_size.replica_strategies``
+  on a replica measured in the script's precision (4 + 4 + 8 bytes per parameter; DDP's bucket; ZeRO-2's shards).
 - **counted: needs a GPU**: QLoRA's 4-bit base (NF4 with double quantisation, 4.127 bits per weight), counted from
   the bf16-base LoRA row as lesson 16 counts it: bitsandbytes has no CPU kernels to measure. The parameters that
   are not 4-bit (embedding, ``lm_head``, norms, biases) count at fp32's 4 B: the printed recipe's
@@ -28,11 +35,13 @@ How each row is found (the ``how`` column says which):
 A row fits when its peak is at most ``USABLE`` (85%) of the card: the rest is for what no tensor meter sees (CUDA
 context, the allocator's cache and fragmentation, NCCL's buffers), as lessons 14 and 16 keep it. The cheapest plan
 is the first row that fits in this order: no activation checkpointing before checkpointing (a third more compute),
-then DDP, ZeRO-1, ZeRO-2, FSDP2 (more communication each). Pure bf16 (bf16 weights and AdamW moments, no fp32
-master) is shown, never chosen: it is a different training. When nothing fits, the report names the cheapest change
+then DDP, ZeRO-2, FSDP2 (more communication each). When nothing fits, the report names the cheapest change
 that fits the same cards (micro-batch 1 with accumulation, then LoRA instead of full fine-tuning, then QLoRA instead
 of LoRA: "Full fine-tuning does not fit ...; LoRA ... does"), and the fewest cards that fit: 2 ... 8, then whole
 nodes of 8, up to ``max_cards``.
+
+Each distinct step is measured once: with ``cache`` (scripts/will_it_fit.py: ``default_cache_dir()``, unless
+``--no-cache``) a later run reads it back, and a plan that measured in a minute answers in seconds.
 """
 import dataclasses
 import functools
@@ -45,19 +54,19 @@ from pathlib import Path
 
 import torch
 
-from course_utils.true_size import (ARTICLE_14GB, GiB, LLAMA2_7B, MISTRAL_7B, LlamaShape, measure_step,
-                                    replica_strategies)
+from course_utils.true_size import (ARTICLE_14GB, GiB, LLAMA2_7B, MISTRAL_7B, TORCH_GPU_FOREACH, LlamaShape,
+                                    measure_step, replica_strategies)
 
 __all__ = ["MODELS", "CARDS", "USABLE", "SUPPORTED", "resolve_model", "shape_from_config", "parse_cards",
            "will_it_fit", "Plan", "Row", "measure_replica", "extend_by_blocks", "tiny_like", "check_plan",
            "WillItFitError", "check_inputs", "qlora_counts", "qlora_base_bytes", "card_note", "CARD_SIZES",
-           "DEFAULT_SIZE", "MAX_CARDS"]
+           "DEFAULT_SIZE", "MAX_CARDS", "GLOBAL_BATCH", "default_cache_dir", "SCRIPT"]
 
 USABLE = 0.85
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 NF4_BITS = 4.127               # NF4 + double quantisation (Dettmers et al. 2023), as lesson 16 counts it
 
-# Published shapes (each config.json on the hub) and the hub name scripts/finetune_lora.py loads them from.
+# Published shapes (each config.json on the hub) and the hub name scripts/finetune.py loads them from.
 LLAMA3_8B = LlamaShape("Llama-3-8B", vocab_size=128256, d_model=4096, n_layer=32, d_ff=14336, n_head=32, n_kv_head=8)
 QWEN25_05B = LlamaShape("Qwen2.5-0.5B", vocab_size=151936, d_model=896, n_layer=24, d_ff=4864, n_head=14, n_kv_head=2,
                         qkv_bias=True, tie_embeddings=True)
@@ -74,7 +83,14 @@ MODELS = {
     "qwen2.5-7b": (QWEN25_7B, "Qwen/Qwen2.5-7B"),
     "article-14gb": (ARTICLE_14GB, None),          # the article's model: a shape, no published weights
 }
-STRATEGY_ORDER = ("DDP", "ZeRO-1", "ZeRO-2", "FSDP2")
+# The strategies scripts/finetune.py runs (--strategy ddp, zero2, fsdp), cheapest first: the only ones a plan names.
+STRATEGY_ORDER = ("DDP", "ZeRO-2", "FSDP2")
+SCRIPT = "scripts/finetune.py"
+SCRIPT_STRATEGY = {"DDP": "ddp", "ZeRO-2": "zero2", "FSDP2": "fsdp"}
+GLOBAL_BATCH = 32        # sequences per optimizer step when the reader names none (--global-batch-size)
+# AdamW as scripts/finetune.py builds it (no foreach/fused argument) runs foreach=True on a GPU: every step is
+# measured with that setting (true_size.TORCH_GPU_FOREACH), its list of temporaries included.
+FOREACH = TORCH_GPU_FOREACH
 NODE = 8                 # cards in a node: the search for more cards tries 2 ... 8, then whole nodes of 8
 MAX_CARDS = 64           # the default upper bound of that search (8 nodes of 8); max_cards (--max-cards) raises it
 MAX_CARDS_LIMIT = 1024   # ... up to this
@@ -143,7 +159,7 @@ def _read_config(path, name):
 
 
 def resolve_model(name):
-    """``(LlamaShape, what --model of scripts/finetune_lora.py loads or None)`` for a known name (``MODELS``, or
+    """``(LlamaShape, what --model of scripts/finetune.py loads or None)`` for a known name (``MODELS``, or
     the hub name of one: no download), a local ``config.json`` (or a folder holding one), or a hub name (its
     config.json only, fetched by huggingface_hub)."""
     key = _key(name)
@@ -260,10 +276,6 @@ def parse_cards(text):
 
 
 # -- measuring ----------------------------------------------------------------------------------------------------
-def _to_bf16(model):
-    model.to(torch.bfloat16)
-
-
 def _lora(model, targets, r, base_dtype):
     from course_utils.lora import add_lora
 
@@ -271,7 +283,7 @@ def _lora(model, targets, r, base_dtype):
     add_lora(model, targets=targets, r=r, alpha=2 * r)
     for name, p in model.named_parameters():
         if "lora_" in name:
-            p.data = p.data.float()         # adapters and their AdamW state in fp32, as scripts/finetune_lora.py
+            p.data = p.data.float()         # adapters and their AdamW state in fp32, as scripts/finetune.py
 
 
 KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "comm_buffers", "total")
@@ -297,7 +309,8 @@ def measure_replica(shape, **kw):
     out = {phase: extend_by_blocks({k: a[phase][k] for k in KINDS}, {k: b[phase][k] for k in KINDS}, extra)
            for phase in ("forward", "backward", "step")}
     out.update(n_params=shape.n_params, n_trainable=extend_by_blocks(a["n_trainable"], b["n_trainable"], extra),
-               param_dtype=a["param_dtype"], autocast=a["autocast"], seconds=time.perf_counter() - t0,
+               param_dtype=a["param_dtype"], autocast=a["autocast"], foreach=a["foreach"],
+               seconds=time.perf_counter() - t0,
                how=f"measured (blocks {DEPTHS[0]}, {DEPTHS[1]})")
     return out
 
@@ -309,9 +322,105 @@ def _job(kind, shape, kw):
     return dict(measure_step(shape, strategy="fsdp2", **kw), how="measured")
 
 
-def _run_jobs(jobs, workers, say):
+# -- the cache: each distinct fake-tensor step measured once --------------------------------------------------------
+def default_cache_dir():
+    """Where scripts/will_it_fit.py keeps its measurements: ``$XDG_CACHE_HOME/micro-ddp/will_it_fit`` (default
+    ``~/.cache/...``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "micro-ddp" / "will_it_fit"
+
+
+# The files whose code decides a measurement's bytes: an entry is keyed by their text, so an edit measures again.
+_MEASURING_CODE = ("true_size.py", "memory.py", "lora.py", "will_it_fit.py")
+
+
+@functools.lru_cache(maxsize=1)
+def _code_version():
+    import hashlib
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    for name in _MEASURING_CODE:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _describe(value):
+    """A JSON-able description of a job's argument (``modify``: the function and its arguments)."""
+    if isinstance(value, functools.partial):
+        return {"fn": value.func.__qualname__, "args": [_describe(a) for a in value.args],
+                "keywords": {k: _describe(v) for k, v in sorted(value.keywords.items())}}
+    if callable(value):
+        return {"fn": value.__qualname__}
+    if isinstance(value, (tuple, list)):
+        return [_describe(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return value
+
+
+class Cache:
+    """One JSON file per distinct fake-tensor step in ``directory``, keyed by what decides its bytes: the model's
+    shape (not its name), the kind of step (replica or FSDP2), the world size, the method and precision (``modify``,
+    autocast, the mixed-precision policy), checkpointing, sequence, micro-batch, AdamW's setting, and the code and
+    torch version that measure it. tests/test_will_it_fit_cache.py holds that a hit returns the measurement."""
+
+    def __init__(self, directory):
+        self.dir = Path(directory).expanduser()
+        self.hits = self.total = 0
+        self.cold_seconds = 0.0
+
+    def key(self, kind, shape, kw):
+        import hashlib
+
+        what = {"kind": kind, "shape": {k: v for k, v in dataclasses.asdict(shape).items() if k != "name"},
+                "kw": {k: _describe(v) for k, v in sorted(kw.items())}, "code": _code_version()}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+    def get(self, key):
+        try:
+            result = json.loads((self.dir / f"{key}.json").read_text())
+        except (OSError, ValueError):
+            return None                 # absent, unreadable or cut short: measured again
+        if isinstance(result.get("param_dtype"), str):
+            result["param_dtype"] = getattr(torch, result["param_dtype"].removeprefix("torch."))
+        return result
+
+    def put(self, key, result):
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.dir / f"{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(result, default=str))
+            os.replace(tmp, self.dir / f"{key}.json")
+        except OSError:
+            pass                        # a read-only cache folder: the plan is still right, only not kept
+
+    def summary(self):
+        return {"dir": str(self.dir), "hits": self.hits, "total": self.total, "cold_seconds": self.cold_seconds}
+
+
+def _run_jobs(jobs, workers, say, cache=None):
     """Run ``{name: (kind, shape, kwargs)}``, in ``workers`` processes when more than one; returns ``{name: result}``.
-    ``say(done, total, name)`` reports progress."""
+    ``say(done, total, name)`` reports progress. With a ``Cache``, a step measured before is read, not measured."""
+    if cache is None:
+        return _measure_jobs(jobs, workers, say)
+    keys = {name: cache.key(*job) for name, job in jobs.items()}
+    out = {}
+    for name, key in keys.items():
+        hit = cache.get(key)
+        if hit is not None:
+            out[name] = hit
+    missing = {name: job for name, job in jobs.items() if name not in out}
+    fresh = _measure_jobs(missing, workers, say) if missing else {}
+    for name, result in fresh.items():
+        cache.put(keys[name], result)
+    cache.hits += len(out)
+    cache.total += len(jobs)
+    out.update(fresh)
+    cache.cold_seconds += sum(r["seconds"] for r in out.values()) / max(1, min(workers, len(jobs)))
+    return {name: out[name] for name in jobs}
+
+
+def _measure_jobs(jobs, workers, say):
     from course_utils import progress
 
     out, names = {}, list(jobs)
@@ -340,14 +449,15 @@ def _run_jobs(jobs, workers, say):
 @dataclasses.dataclass
 class Row:
     method: str            # "full", "lora", "qlora"
-    precision: str         # "mixed", "fp32", "pure bf16", "bf16 base", "fp32 base", "4-bit base"
-    strategy: str          # "DDP", "ZeRO-1", "ZeRO-2", "FSDP2"
+    precision: str         # "mixed", "fp32", "bf16 base", "fp32 base", "4-bit base"
+    strategy: str          # "DDP", "ZeRO-2", "FSDP2" (STRATEGY_ORDER)
     checkpoint: bool
     world_size: int
     phases: dict           # {"forward": bytes, "backward": ..., "step": ...}, or None when counted as a whole
     peak: float
     how: str
     same_training: bool = True
+    micro_batch: int = None  # sequences per card per forward, when not the plan's (the cheaper change: 1)
 
     def fits(self, card_bytes):
         return self.peak <= USABLE * card_bytes
@@ -374,14 +484,18 @@ def _precisions(method, precision):
 
 def _jobs(shape, method, W, seq_len, micro_batch, lora_r, targets, precision, checkpoints=(False, True),
           replicas=True):
-    common = dict(seq_len=seq_len, micro_batch_size=micro_batch)
+    """The fake-tensor steps the rows of ``method`` on ``W`` cards are made of, each as scripts/finetune.py runs it:
+    full fine-tuning keeps fp32 weights, gradients and AdamW moments, with bf16 autocast under ``mixed`` on a
+    replica (DDP, ZeRO-2) and FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; LoRA a bf16
+    base under ``mixed`` (no autocast), fp32 adapters. AdamW with ``FOREACH``, as it runs on a GPU."""
+    common = dict(seq_len=seq_len, micro_batch_size=micro_batch, foreach=FOREACH)
     jobs = {}
     for ckpt in checkpoints:
         c = " + ckpt" if ckpt else ""
         if method == "full":
             if replicas:
-                modify = _to_bf16 if precision == "mixed" else None
-                jobs[f"replica{c}"] = ("replica", shape, dict(common, checkpoint=ckpt, modify=modify))
+                jobs[f"replica{c}"] = ("replica", shape, dict(common, checkpoint=ckpt,
+                                                              mixed_precision=precision == "mixed"))
             if W > 1:
                 jobs[f"FSDP2 W={W}{c}"] = ("fsdp2", shape, dict(common, world_size=W, checkpoint=ckpt,
                                                                mixed_precision=precision == "mixed"))
@@ -428,19 +542,15 @@ def _rows(shape, method, W, results, precision):
         fsdp = results.get(f"FSDP2 W={W}{c}")
         if method == "full":
             if rep is not None:
-                mixed = precision == "mixed"
-                prec = "mixed" if mixed else "fp32"
-                counted = replica_strategies(rep, W, mixed_precision=mixed)
-                for name in (("DDP", "ZeRO-1", "ZeRO-2") if W > 1 else ("DDP",)):
+                prec = "mixed" if precision == "mixed" else "fp32"
+                # fp32 weights, gradients and moments (4 + 4 + 8 B) in both precisions: "mixed" is autocast's bf16
+                # compute over them, measured in the replica's activations and temporaries
+                counted = replica_strategies(rep, W, mixed_precision=False, foreach=FOREACH)
+                for name in (("DDP", "ZeRO-2") if W > 1 else ("DDP",)):
                     peak = counted[name]
                     if W == 1:      # one card: nothing to all-reduce, no DDP bucket
-                        peak -= (2 if mixed else 4) * rep["n_trainable"]
+                        peak -= 4 * rep["n_trainable"]
                     rows.append(Row("full", prec, name, ckpt, W, None, peak, "counted on a measured replica"))
-                if mixed:           # the bf16 replica itself: pure bf16, a different training
-                    bucket = 2 * rep["n_trainable"] if W > 1 else 0
-                    ph = _phases(rep, bucket)
-                    rows.append(Row("full", "pure bf16", "DDP", ckpt, W, ph, max(ph.values()),
-                                    rep["how"] + (" + bucket" if bucket else ""), same_training=False))
             if fsdp is not None:
                 ph = _phases(fsdp)
                 rows.append(Row("full", "mixed" if precision == "mixed" else "fp32", "FSDP2", ckpt, W, ph,
@@ -485,6 +595,8 @@ class Plan:
     max_cards: int = MAX_CARDS   # the bound of the search for more cards
     card_note: str = ""      # what a bare card name sold in two sizes was read as (``card_note``)
     cheaper: tuple = None    # when nothing fits: (the cheapest change that fits these cards, in words; its row)
+    global_batch: int = GLOBAL_BATCH   # sequences per optimizer step, the reader's wish: micro-batch x accum x W
+    cache: dict = None       # {"dir", "hits", "total", "cold_seconds"} when the measurements went through a cache
 
     @property
     def card_bytes(self):
@@ -495,43 +607,40 @@ class Plan:
         the peaks do not depend on the card, so one plan answers for every card size."""
         return _pick(self.rows, card_gib * GiB)
 
+    def batches(self, row):
+        """``(micro-batch, accumulation steps, global batch)`` of ``row``: the micro-batch it was measured at, and as
+        many accumulation steps as reach the reader's global batch on its cards (rounded up to a whole step)."""
+        micro = row.micro_batch or self.micro_batch
+        accum = -(-self.global_batch // (micro * row.world_size))
+        return micro, accum, micro * accum * row.world_size
+
     def command(self, row=None):
-        """The command line that runs ``row`` (default: the chosen plan), and a note on what it runs."""
+        """The command line that runs ``row`` (default: the chosen plan) as it was measured, and a note on it."""
         row = row or self.chosen or self.smallest
         if row is None:
             return None, "nothing fits: no command"
         W = row.world_size
+        micro, accum, glob = self.batches(row)
+        model = self.source or "PATH/TO/YOUR/CHECKPOINT"
+        words = ["torchrun", "--standalone", f"--nproc-per-node={W}", SCRIPT, "--model", model,
+                 "--method", row.method, "--strategy", SCRIPT_STRATEGY[row.strategy],
+                 "--precision", self.precision]
+        if row.method != "full":
+            words += ["--lora-r", str(self.lora_r), "--targets", ",".join(self.targets)]
+        words += ["--seq-len", str(self.seq_len), "--micro-batch-size", str(micro), "--accum-steps", str(accum),
+                  "--global-batch-size", str(glob)]
+        if row.checkpoint:
+            words.append("--checkpointing")
+        note = (f"{micro} sequence{'s' if micro > 1 else ''} per card per forward, {accum} accumulation "
+                f"step{'s' if accum > 1 else ''}: a global batch of {glob} sequences"
+                + (f" (your {self.global_batch}, rounded up to a multiple of micro-batch x cards)"
+                   if glob != self.global_batch else "")
+                + "; AdamW as the script builds it (foreach on a GPU), as measured")
         if row.method == "qlora":
-            return None, ("no script of the course loads a 4-bit base (bitsandbytes needs a GPU): peft's "
-                          "prepare_model_for_kbit_training over a BitsAndBytesConfig(load_in_4bit=True) model, "
-                          f"LoRA r = {self.lora_r} on {','.join(self.targets)}, one card per rank with DDP")
-        if row.method == "lora":
-            model = self.source or "PATH/TO/YOUR/CHECKPOINT"
-            words = ["torchrun", "--standalone", f"--nproc-per-node={W}", "scripts/finetune_lora.py",
-                     "--model", model, "--strategy", "fsdp" if row.strategy == "FSDP2" else "ddp"]
-            if self.precision == "mixed":
-                words.append("--bf16")
-            words += ["--lora-r", str(self.lora_r), "--targets", ",".join(self.targets),
-                      "--block-size", str(self.seq_len), "--global-batch-size", str(self.micro_batch * W)]
-            if row.checkpoint:
-                words.append("--checkpointing")
-            note = ("one micro-batch of --global-batch-size / W sequences per rank and step, as measured"
-                    + ("" if self.source else "; the article's model has no published weights: point --model at "
-                       "a checkpoint of that shape"))
-            return " ".join(words), note
-        words = ["torchrun", "--standalone", f"--nproc-per-node={W}", "scripts/train_micro_ddp.py",
-                 "--micro-batch-size", str(self.micro_batch), "--global-batch-size", str(self.micro_batch * W)]
-        if self.precision == "mixed":
-            words.append("--bf16")
-        how = {"DDP": "the same data-parallel step (MicroDDP, lesson 11)",
-               "ZeRO-1": "DDP's step; for ZeRO-1 wrap AdamW in course_utils.zero.ShardedOptimizer (lesson 12)",
-               "ZeRO-2": "DDP's step; for ZeRO-2 use course_utils.zero.ShardedOptimizer(reduce_scatter=True) "
-                         "without DDP (lesson 12)",
-               "FSDP2": "DDP's step; for FSDP2 fully_shard each decoder block, then the root, with "
-                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (lesson 14)"}[row.strategy]
-        ck = "; activation checkpointing per block (torch.utils.checkpoint)" if row.checkpoint else ""
-        return " ".join(words), (f"lesson 11's script trains the course's GPT, not {self.shape.name}: it runs {how}"
-                                 f"{ck}; put your model and data where it builds make_gpt and get_batch")
+            note += "; QLoRA needs a GPU (bitsandbytes' 4-bit kernels)"
+        if not self.source:
+            note += "; the article's model has no published weights: point --model at a checkpoint of that shape"
+        return " ".join(words), note
 
     def what_fails(self):
         """The method in words, for "... does not fit"."""
@@ -544,7 +653,8 @@ class Plan:
         what = {"full": "full fine-tuning, AdamW", "lora": f"LoRA r = {self.lora_r} on {','.join(self.targets)}",
                 "qlora": f"QLoRA (4-bit base), LoRA r = {self.lora_r} on {','.join(self.targets)}"}[self.method]
         lines = [f"{s.name}: {s.n_params:,} parameters; {what}; micro-batch {self.micro_batch} x {self.seq_len} "
-                 f"tokens per card",
+                 f"tokens per card, a global batch of {self.global_batch} sequences (accumulation makes up the rest); "
+                 f"AdamW foreach, as on a GPU",
                  f"cards: {self.card_label}; a row fits when its peak is at most {USABLE:.0%} of a card "
                  f"({USABLE * self.card_gib:.2f} GiB)" + (f"; {self.card_note}" if self.card_note else ""),
                  "",
@@ -580,14 +690,21 @@ class Plan:
                 lines.append(f"No card count up to {self.max_cards} fits (--max-cards): lower --seq-len or "
                              "--micro-batch, or use larger cards.")
         cmd, note = self.command(self.cheaper[1] if self.chosen is None and self.cheaper else None)
-        if self.chosen is None and self.cheaper and self.cheaper[1] is None and self.smallest is None:
-            cmd, note = None, "scripts/finetune_lora.py has no accumulation: one micro-batch per rank and step"
         if cmd:
             lines += ["Run it with:", "    " + cmd, f"  ({note})"]
-        elif self.chosen is not None or self.smallest is not None or self.cheaper is not None:
-            lines.append(f"  ({note})")
-        lines.append(f"Measured in {self.seconds:.1f} s.")
+        lines.append(self.timing())
         return "\n".join(lines)
+
+    def timing(self):
+        """One line: how long this took, and with a cache how long a cold run (nothing cached) takes."""
+        line = f"Measured in {self.seconds:.1f} s"
+        c = self.cache
+        if not c:
+            return line + "."
+        if c["hits"] == 0:
+            return line + f" (a cold run: every step measured; cached in {c['dir']} for the next run)."
+        return line + (f" ({c['hits']} of {c['total']} steps from the cache in {c['dir']}; a cold run measures them "
+                       f"in about {c['cold_seconds']:.0f} s on this machine; --no-cache measures again).")
 
 
 def _pick(rows, card_bytes):
@@ -608,21 +725,25 @@ def _stderr_line(done, total, name):
 
 
 def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=16, targets=("q_proj", "v_proj"),
-                precision="mixed", workers=None, say=_stderr_line, max_cards=MAX_CARDS, checkpoints=(False, True)):
+                precision="mixed", workers=None, say=_stderr_line, max_cards=MAX_CARDS, checkpoints=(False, True),
+                global_batch=GLOBAL_BATCH, cache=None):
     """Measure ``model`` (see ``resolve_model``) on ``cards`` (see ``parse_cards``) and pick a plan; returns a
     ``Plan`` (``plan.report()``: the table, the plan and its command). ``method``: ``"full"``, ``"lora"`` or
-    ``"qlora"``; ``precision``: ``"mixed"`` (bf16 compute: the ZeRO paper's 2 + 2 + 12 bytes for full fine-tuning, a
+    ``"qlora"``; ``precision``: ``"mixed"`` (bf16 compute: over fp32 weights and moments for full fine-tuning, over a
     bf16 base for LoRA) or ``"fp32"``; ``checkpoints``: which activation-checkpointing settings to try.
     ``workers``: processes that measure at once (default: 2 when the machine has
     them and the model is deep; the rows share every measurement they can). ``say(done, total, running)``: a
     progress line (default: on stderr; None: only the progress bar, as in a lesson). When nothing fits, FSDP2 (and
     the counted ZeRO rows) are tried on more cards, to find the fewest that fit: 2 ... 8, then whole nodes of 8, up
-    to ``max_cards``. Every input is checked before anything is measured (``check_inputs``)."""
+    to ``max_cards``. ``global_batch``: the sequences of one optimizer step, which the printed command reaches with
+    accumulation. ``cache``: a folder (``default_cache_dir()``, as scripts/will_it_fit.py uses) where each distinct
+    step is kept once measured (``Cache``), or None: measure every step. Every input is checked before anything is
+    measured (``check_inputs``)."""
     t0 = time.perf_counter()
     say = say or (lambda done, total, running: None)
     targets = tuple(targets)
     check_inputs(method=method, precision=precision, seq_len=seq_len, micro_batch=micro_batch, lora_r=lora_r,
-                 targets=targets, workers=workers, max_cards=max_cards)
+                 targets=targets, workers=workers, max_cards=max_cards, global_batch=global_batch)
     shape, source = (model, None) if isinstance(model, LlamaShape) else resolve_model(model)
     count, gib, label = parse_cards(cards) if isinstance(cards, str) else _card_pair(cards)
     if count > max_cards:
@@ -633,25 +754,27 @@ def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=
     kw = dict(seq_len=seq_len, micro_batch=micro_batch, lora_r=lora_r, targets=targets, precision=precision)
     jobs = _jobs(shape, method, count, checkpoints=tuple(checkpoints), **kw)
     jobs = dict(sorted(jobs.items(), key=lambda kv: kv[1][0] == "replica"))   # the long FSDP2 steps first
-    results = _run_jobs(jobs, workers, say)
+    cache = None if cache is None else Cache(cache)
+    results = _run_jobs(jobs, workers, say, cache)
     rows = _rows(shape, method, count, results, precision)
     plan = Plan(getattr(model, "name", model), shape, source, method, count, gib, label, seq_len, micro_batch,
-                lora_r, targets, precision, rows)
+                lora_r, targets, precision, rows, global_batch=global_batch)
     plan.results, plan.max_cards = results, max_cards
     plan.card_note = card_note(cards) if isinstance(cards, str) else ""
     plan.chosen = _pick(rows, plan.card_bytes)
     if plan.chosen is None:
-        plan.cheaper = _cheaper(plan, kw, workers, say)
-        plan.smallest = _smallest(plan, results, kw, workers, say, max_cards)
+        plan.cheaper = _cheaper(plan, kw, workers, say, cache)
+        plan.smallest = _smallest(plan, results, kw, workers, say, max_cards, cache)
     plan.seconds = time.perf_counter() - t0
+    plan.cache = cache.summary() if cache is not None else None
     return plan
 
 
-def _cheaper(plan, kw, workers, say):
+def _cheaper(plan, kw, workers, say, cache=None):
     """When nothing fits ``plan``'s cards: the cheapest change that fits the same cards, in the order a reader would
     try (``plan.rows`` already hold checkpointing and the sharded strategies): micro-batch 1 with accumulation, LoRA
-    instead of full fine-tuning, QLoRA instead of LoRA. ``(sentence, row)`` (row None where no script of the
-    course runs it: accumulation) or ``None``; more cards is ``_smallest``'s answer."""
+    instead of full fine-tuning, QLoRA instead of LoRA. ``(sentence, row)`` (the row whose command the report
+    prints) or ``None``; more cards is ``_smallest``'s answer."""
     shape, card, W = plan.shape, plan.card_bytes, plan.cards
     on = "on the same cards"
 
@@ -662,14 +785,16 @@ def _cheaper(plan, kw, workers, say):
 
     if plan.micro_batch > 1:
         one = dict(kw, micro_batch=1)
-        res = _run_jobs(_jobs(shape, plan.method, W, **one), workers, say)
+        res = _run_jobs(_jobs(shape, plan.method, W, **one), workers, say, cache)
         row = _pick(_rows(shape, plan.method, W, res, plan.precision), card)
         if row is not None:
-            return (f"micro-batch 1 with {plan.micro_batch} accumulation steps (the same global batch) does, {on}: "
-                    f"{_row_words(row)}", None)
+            row = dataclasses.replace(row, micro_batch=1)
+            _, accum, glob = plan.batches(row)
+            return (f"micro-batch 1 with {accum} accumulation steps (the same global batch of {glob}) does, {on}: "
+                    f"{_row_words(row)}", row)
     lora_res = plan.results
     if plan.method == "full":
-        lora_res = _run_jobs(_jobs(shape, "lora", W, **kw), workers, say)
+        lora_res = _run_jobs(_jobs(shape, "lora", W, **kw), workers, say, cache)
         row = best("lora", lora_res)
         if row is not None:
             return f"LoRA (r = {plan.lora_r} on {','.join(plan.targets)}) does, {on}: {_row_words(row)}", row
@@ -692,7 +817,7 @@ def _positive_int(flag, value, what, example=""):
 
 
 def check_inputs(method="lora", precision="mixed", seq_len=512, micro_batch=1, lora_r=16,
-                 targets=("q_proj", "v_proj"), workers=None, max_cards=MAX_CARDS):
+                 targets=("q_proj", "v_proj"), workers=None, max_cards=MAX_CARDS, global_batch=GLOBAL_BATCH):
     """Refuse a bad input before anything is measured, in one line saying what to give (``WillItFitError``);
     tests/test_will_it_fit_inputs.py runs each through scripts/will_it_fit.py."""
     if method not in ("full", "lora", "qlora"):
@@ -701,6 +826,7 @@ def check_inputs(method="lora", precision="mixed", seq_len=512, micro_batch=1, l
         raise WillItFitError(f"--precision {precision!r}: use mixed or fp32")
     _positive_int("--seq-len", seq_len, "the tokens per sequence", 512)
     _positive_int("--micro-batch", micro_batch, "the sequences per card per forward", 1)
+    _positive_int("--global-batch-size", global_batch, "the sequences per optimizer step", GLOBAL_BATCH)
     if workers is not None:
         _positive_int("--workers", workers, "the processes measuring at once", 2)
     _positive_int("--max-cards", max_cards, f"the most cards to search, at most {MAX_CARDS_LIMIT}", MAX_CARDS)
@@ -731,7 +857,7 @@ def _card_counts(cards, max_cards):
     return [W for W in range(2, max_cards + 1) if W > cards and (W <= NODE or W % NODE == 0)]
 
 
-def _smallest(plan, results, kw, workers, say, max_cards):
+def _smallest(plan, results, kw, workers, say, max_cards, cache=None):
     """The plan on the fewest cards (more than ``plan.cards``, among ``_card_counts``: 2 ... 8, then whole nodes of 8,
     up to ``max_cards``) that fits: ZeRO rows counted on the replicas already measured, FSDP2 with checkpointing
     measured per card count (doubling, then halving the gap)."""
@@ -748,7 +874,7 @@ def _smallest(plan, results, kw, workers, say, max_cards):
                 break
 
     def fsdp_at(W):
-        res = _run_jobs(_jobs(shape, method, W, checkpoints=(True,), replicas=False, **kw), 1, say)
+        res = _run_jobs(_jobs(shape, method, W, checkpoints=(True,), replicas=False, **kw), 1, say, cache)
         plan.results.update(res)
         rows = [r for r in _rows(shape, method, W, res, plan.precision) if r.strategy == "FSDP2"]
         return rows[0]

@@ -16,10 +16,13 @@ Then check that the chosen plan trains the same model as one process does, at ti
     python scripts/will_it_fit.py --model llama-2-7b --cards 2x24GiB --method lora --check
 
 It prints, per strategy, the peak per card in each phase (forward, backward, optimizer step), the headroom against
-85% of the card, and a verdict; then the cheapest plan that fits and the command that runs it (scripts/finetune_lora.py
-for LoRA, lesson 11's scripts/train_micro_ddp.py for full fine-tuning); when nothing fits, the cheapest change that
-fits the same cards ("LoRA over a bf16 base does not fit ...; QLoRA (a 4-bit base) does") and the fewest cards that
-fit (up to --max-cards). A bad input is refused in one line before anything is measured.
+85% of the card, and a verdict; then the cheapest plan that fits and the scripts/finetune.py command that runs it as
+measured (its micro-batch, and accumulation steps up to --global-batch-size); when nothing fits, the cheapest change
+that fits the same cards ("LoRA over a bf16 base does not fit ...; QLoRA (a 4-bit base) does") and the fewest cards
+that fit (up to --max-cards). A bad input is refused in one line before anything is measured.
+
+Each distinct step is measured once and kept in your cache folder (~/.cache/micro-ddp/will_it_fit, or under
+$XDG_CACHE_HOME): a 7B plan that takes a minute the first time answers in seconds after; --no-cache measures again.
 """
 import argparse
 import sys
@@ -28,10 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from course_utils.will_it_fit import MAX_CARDS, MODELS, WillItFitError, check_plan, will_it_fit  # noqa: E402
+from course_utils.will_it_fit import (GLOBAL_BATCH, MAX_CARDS, MODELS, WillItFitError, check_plan,  # noqa: E402
+                                      default_cache_dir, will_it_fit)
 
 VALUED = ("--model", "--cards", "--method", "--seq-len", "--micro-batch", "--precision", "--lora-r", "--targets",
-          "--workers", "--max-cards")
+          "--workers", "--max-cards", "--global-batch-size")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -61,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--method", default="lora", choices=["full", "lora", "qlora"])
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per card per forward")
+    p.add_argument("--global-batch-size", type=int, default=GLOBAL_BATCH,
+                   help="sequences per optimizer step; the command reaches it with accumulation steps (default "
+                        f"{GLOBAL_BATCH})")
     p.add_argument("--precision", default="mixed", choices=["mixed", "fp32"],
                    help="mixed: bf16 compute (full: fp32 master + moments, bf16 weights and gradients; LoRA: a bf16 "
                         "base); fp32: everything in fp32")
@@ -70,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--max-cards", type=int, default=MAX_CARDS,
                    help="when nothing fits, the most cards searched (2 ... 8, then whole nodes of 8; default "
                         f"{MAX_CARDS})")
+    p.add_argument("--no-cache", action="store_true",
+                   help="measure every step again instead of reading it from the cache folder")
     p.add_argument("--check", action="store_true",
                    help="run the chosen plan at tiny scale on 2 CPU ranks (gloo) against one process")
     return p.parse_args(_join_values(sys.argv[1:] if argv is None else argv))
@@ -82,7 +91,9 @@ def main(argv=None):
     try:
         plan = will_it_fit(args.model, args.cards, method=args.method, seq_len=args.seq_len,
                            micro_batch=args.micro_batch, lora_r=args.lora_r, targets=targets,
-                           precision=args.precision, workers=args.workers, max_cards=args.max_cards)
+                           precision=args.precision, workers=args.workers, max_cards=args.max_cards,
+                           global_batch=args.global_batch_size,
+                           cache=None if args.no_cache else default_cache_dir())
     except WillItFitError as exc:
         print(f"will_it_fit: {exc}", file=sys.stderr)
         return 2

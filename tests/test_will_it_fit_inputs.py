@@ -31,6 +31,8 @@ CASES = {   # name: (arguments after --model and --cards, what the one line must
     "targets empty": (["--targets", ","], "--targets '': no layer named; give some of q_proj"),
     "seq-len 0": (["--seq-len", "0"], "--seq-len 0: give the tokens per sequence, a whole number of at least 1"),
     "micro-batch 0": (["--micro-batch", "0"], "--micro-batch 0: give the sequences per card per forward"),
+    "global-batch-size 0": (["--global-batch-size", "0"], "--global-batch-size 0: give the sequences per optimizer "
+                                                          "step, a whole number of at least 1"),
     "cards 2x0": (["--cards", "2x0"], "--cards '2x0': a card's memory must be more than 0 and at most 1024 GiB"),
     "cards -1x24": (["--cards", "-1x24"], "--cards '-1x24': the count must be at least 1, as in 2x16GiB"),
     "cards 0xRTX 3060": (["--cards", "0xRTX 3060"], "--cards '0xRTX 3060': the count must be at least 1"),

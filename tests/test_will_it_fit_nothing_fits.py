@@ -1,7 +1,7 @@
 """When nothing fits the reader's cards, will_it_fit names the cheapest change that fits the same cards, in plain
 words, in the order a reader would try it: micro-batch 1 with accumulation, LoRA instead of full fine-tuning, QLoRA
-instead of LoRA (then more cards, tests/test_will_it_fit.py). Cards are sized from the rows measured here, so each
-case sits between the rows it separates.
+instead of LoRA (then more cards, tests/test_will_it_fit.py); each with the scripts/finetune.py command that runs
+it. Cards are sized from the rows measured here, so each case sits between the rows it separates.
 
     .venv/bin/python -m pytest -q -n 0 tests/test_will_it_fit_nothing_fits.py
 """
@@ -28,7 +28,7 @@ def test_full_fine_tuning_that_does_not_fit_says_lora_does():
     report = plan.report()
     assert (f"Full fine-tuning does not fit 1 x {card:g} GiB with the 85% margin, with any strategy above; "
             "LoRA (r = 4 on q_proj,v_proj) does, on the same cards: bf16 base DDP") in report, report
-    assert "scripts/finetune_lora.py" in report and "--nproc-per-node=1" in report, report   # its command
+    assert "scripts/finetune.py" in report and "--method lora" in report and "--nproc-per-node=1" in report, report
 
 
 def test_lora_that_does_not_fit_says_qlora_does():
@@ -52,8 +52,9 @@ def test_a_large_micro_batch_that_does_not_fit_says_micro_batch_1_with_accumulat
     assert lowest(four, "lora") > USABLE * card * GiB, "micro-batch 4 must not fit this card"
     plan = will_it_fit(WIDE, (1, card), method="lora", micro_batch=4, **kw)
     report = plan.report()
-    assert plan.chosen is None and "; micro-batch 1 with 4 accumulation steps (the same global batch) does, on the " \
-        "same cards: bf16 base DDP" in report, report
+    assert plan.chosen is None and "; micro-batch 1 with 32 accumulation steps (the same global batch of 32) does, " \
+        "on the same cards: bf16 base DDP" in report, report
+    assert "--micro-batch-size 1 --accum-steps 32 --global-batch-size 32" in report, report    # its command
 
 
 def test_the_reader_s_question_llama_3_8b_lora_on_2_rtx_3060():
@@ -93,5 +94,5 @@ def test_check_runs_the_cheaper_change_whose_command_was_printed(tmp_path, capsy
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "; LoRA (r = 4 on q_proj,v_proj) does, on the same cards: bf16 base DDP + ckpt on 1 card" in out, out
-    assert "scripts/finetune_lora.py" in out and "--checkpointing" in out, out
+    assert "scripts/finetune.py" in out and "--checkpointing" in out, out
     assert "\ncheck: DDP + ckpt on 2 CPU ranks" in out and "-> the same training" in out, out
