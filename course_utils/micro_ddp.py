@@ -19,15 +19,13 @@ parameters all take part in every synced backward:
    when ``loss.backward()`` returns, every ``.grad`` holds the average over the ranks; it then resets
    the per-backward state, so a second backward through a retained graph (no forward before it) syncs
    too (torch 2.13's DDP leaves that one local);
-5. ``no_sync()`` skips all of it: gradients accumulate locally until the next synced backward.
-
-What it does NOT do: torch's DDP also broadcasts rank 0's buffers before every forward (``_sync_buffers``
-in ``_pre_forward``), so running statistics such as BatchNorm's stay equal across ranks during training.
-In torch 2.13 that is ``forward_sync_buffers`` (``None``, its default, means on); the older
-``broadcast_buffers`` now defaults to ``None`` and is deprecated in its favour (unlike
-``broadcast_buffers=False``, ``forward_sync_buffers=False`` still syncs the buffers once at construction).
-MicroDDP broadcasts buffers only at construction: with buffers that the forward updates, the ranks' copies
-drift apart (use SyncBatchNorm, or broadcast ``module.buffers()`` from rank 0 yourself before each forward).
+5. ``no_sync()`` skips all of it: gradients accumulate locally until the next synced backward;
+6. at the start of every forward, broadcast rank 0's buffers, as torch's DDP does (``_sync_buffers`` in
+   ``_pre_forward``; torch 2.13's ``forward_sync_buffers``, on by default, replaces the deprecated
+   ``broadcast_buffers``): running statistics such as BatchNorm's, which every rank's forward updates from its
+   own batch, would otherwise drift apart, and an eval forward would differ from rank to rank. (torch's DDP
+   skips the broadcast in a forward that follows one run under ``no_sync()`` or ``torch.no_grad()``; MicroDDP
+   broadcasts in every forward, which leaves every rank with rank 0's buffers at the same points.)
 
 Wrapping the same module again hands it to the new wrapper: the old wrapper's hooks are removed
 (else every gradient would be all-reduced twice) and the old wrapper refuses to run.
@@ -57,6 +55,16 @@ def broadcast_state(module, group=None):
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t, src, group=group)
+
+
+def broadcast_buffers(module, group=None):
+    """Overwrite every rank's buffers (BatchNorm's running statistics, ...) with those of the group's rank 0.
+
+    The course's solution to duty 6 of 11_capstone_micro_ddp: torch's DDP does it at the start of a forward."""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for b in module.buffers():
+            dist.broadcast(b, src, group=group)
 
 
 def assign_buckets(params, bucket_cap_mb=25, order=None):
@@ -210,6 +218,7 @@ class MicroDDP(nn.Module):
                                "MicroDDP (which now owns the hooks). Use the newer wrapper.")
         if torch.is_grad_enabled() and self._ready_order is not None and not self._rebuilt and self.rebuild_buckets:
             self._rebuild()     # as torch DDP: before the forward, so peak memory does not grow
+        broadcast_buffers(self.module, self.group)   # duty 6: rank 0's running statistics, before they are used
         self._sync = self.require_backward_grad_sync  # decided at forward time, as torch DDP does
         self._reset()
         out = self.module(*args, **kwargs)
@@ -291,7 +300,7 @@ class MicroDDP(nn.Module):
 
 
 class LessonMicroDDP(nn.Module):
-    """The course's solution to piece 4 of 11_capstone_micro_ddp, ``MyMicroDDP``: duties 1 to 5 built from
+    """The course's solution to piece 4 of 11_capstone_micro_ddp, ``MyMicroDDP``: duties 1 to 6 built from
     ``broadcast_state``, ``assign_buckets`` and ``start_allreduce``, without the reference's compressors,
     rebuild and timeline (the cell's ``USE_SOLUTION = True`` picks it)."""
 
@@ -310,9 +319,15 @@ class LessonMicroDDP(nn.Module):
                 p.register_post_accumulate_grad_hook(self.grad_ready)   # duty 3: one hook per parameter
 
     def forward(self, *args, **kwargs):
+        self.sync_buffers()
         self.sync, self.next_bucket, self.queued = self.require_backward_grad_sync, 0, False
         self._empty()
         return self.module(*args, **kwargs)
+
+    def sync_buffers(self):                                           # duty 6, at the start of every forward
+        with torch.no_grad():
+            for b in self.module.buffers():
+                dist.broadcast(b, 0)                                  # rank 0's running statistics everywhere
 
     def _empty(self):
         for bucket in self.buckets:
@@ -351,6 +366,50 @@ class LessonMicroDDP(nn.Module):
         self._empty()
         if never:
             raise RuntimeError("a parameter got no gradient in this synced backward: its bucket was never reduced")
+
+
+class LateFlagLessonMicroDDP(LessonMicroDDP):
+    """The course's solution to exercise 2 of 11_capstone_micro_ddp: ``LessonMicroDDP`` that reads
+    ``require_backward_grad_sync`` in ``grad_ready``, at backward time, instead of the value its forward saw."""
+
+    def grad_ready(self, p):
+        self.sync = self.require_backward_grad_sync                   # decided per backward, not per forward
+        super().grad_ready(p)
+
+
+def late_flag_prediction():
+    """Exercise 2's answer: of 3 micro-batches whose forwards all run outside ``no_sync()`` and whose first two
+    backwards run inside it, torch DDP all-reduces in every backward (its forward armed the reduction), a class
+    that reads the flag at backward time only in the last."""
+    return {"torch DDP": 3, "yours": 1}
+
+
+class RebuildingLessonMicroDDP(LessonMicroDDP):
+    """The course's solution to exercise 3 of 11_capstone_micro_ddp: ``LessonMicroDDP`` that rebuilds its
+    buckets once, before the forward after the first synced backward, in the order the gradients arrived there
+    (rank 0's order, broadcast, so that every rank builds the same buckets)."""
+
+    def __init__(self, module, bucket_cap_mb=25):
+        super().__init__(module, bucket_cap_mb)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.arrived, self.rebuilt = {}, False                        # arrived: parameter -> None, in order
+
+    def grad_ready(self, p):
+        if self.sync and not self.rebuilt:
+            self.arrived.setdefault(p)                                # first arrival only; a dict keeps the order
+        super().grad_ready(p)
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and not self.rebuilt and len(self.arrived) == len(self.params):
+            index = {p: i for i, p in enumerate(self.params)}
+            order = torch.tensor([index[p] for p in self.arrived], device=self.params[0].device)
+            dist.broadcast(order, 0)                                  # rank 0's order on every rank
+            layout = assign_buckets(self.params, self.bucket_cap_mb, order.tolist())
+            self.buckets = [Bucket(b, [self.params[i] for i in idx]) for b, idx in enumerate(layout)]
+            self.slot = {p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
+            self.rebuilt = True
+        return super().forward(*args, **kwargs)
 
 
 # -- compressors: start(flat, bucket, group) -> (async work, then-callable or None) --------------

@@ -312,6 +312,29 @@ def no_rebuild(module, bucket_cap_mb):
     return wrapper
 
 
+def buffers_at_construction_only(module, bucket_cap_mb):
+    """Duties 1 to 5, but the buffers broadcast only at construction: BatchNorm's statistics drift apart."""
+    from course_utils.micro_ddp import LessonMicroDDP
+
+    class AtConstructionOnly(LessonMicroDDP):
+        def sync_buffers(self):
+            pass
+    return AtConstructionOnly(module, bucket_cap_mb)
+
+
+def averaged_buffers(module, bucket_cap_mb):
+    """The buffers averaged over the ranks at every forward: the ranks agree, on statistics torch DDP never keeps."""
+    from course_utils.micro_ddp import LessonMicroDDP
+
+    class Averaged(LessonMicroDDP):
+        def sync_buffers(self):
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    if b.is_floating_point():
+                        dist.all_reduce(b, op=dist.ReduceOp.AVG)
+    return Averaged(module, bucket_cap_mb)
+
+
 class _NoDivide:
     def start(self, flat, bucket, group):
         return dist.all_reduce(flat, group=group, async_op=True), None
@@ -346,6 +369,10 @@ def _micro_ddp_verdict(kind, rebuild=False):
         "reset-in-finish-keeps-next-bucket": ResetInFinishButKeepsNextBucket,
         "no-rebuild": no_rebuild,
         "noop-no-sync": noop_no_sync,
+        "buffers-at-construction-only": buffers_at_construction_only,
+        "averaged-buffers": averaged_buffers,
+        "lesson-solution": lambda m, cap: ref.LessonMicroDDP(m, cap),
+        "lesson-rebuilding": lambda m, cap: ref.RebuildingLessonMicroDDP(m, cap),
     }
     return verdict(check_micro_ddp, makers[kind], rebuild=rebuild)
 
@@ -358,6 +385,10 @@ def _micro_ddp_verdict(kind, rebuild=False):
     ("no-broadcast", ["right after construction", "Broadcast rank 0's parameters"]),
     ("frozen-after-wrapping", ["a model with a frozen parameter", "raised RuntimeError", "net.0.bias"]),
     ("no-divide", ["world_size x the average", "divide by world_size"]),
+    # duty 6: BatchNorm's running statistics are buffers, which no gradient carries
+    ("buffers-at-construction-only", ["a model with BatchNorm", "different outputs on the ranks",
+                                      "broadcasts rank 0's buffers at the start of every forward", "sync_buffers"]),
+    ("averaged-buffers", ["a model with BatchNorm", "not with torch DDP", "not an average"]),
     ("bf16-near-miss", ["tolerance 1e-06", "16 bits"]),
     ("fp16-near-miss", ["tolerance 1e-06", "16 bits"]),
     # launched in ready order, not bucket order: right while every rank's backward runs in the same order
@@ -376,7 +407,7 @@ def test_check_micro_ddp_explains_wrong_wrappers(cluster, kind, words):
         assert w in verdict, f"the verdict on {kind} should mention {w!r}: {verdict}"
 
 
-@pytest.mark.parametrize("kind", ["solution", "fp64-rounding"])
+@pytest.mark.parametrize("kind", ["solution", "fp64-rounding", "lesson-solution"])
 def test_check_micro_ddp_passes_the_solution_and_rounding_differences(cluster, kind):
     assert cluster.run(_micro_ddp_verdict, kind) == [None, None]
 
@@ -387,3 +418,19 @@ def test_exercise_3_rebuild_check(cluster):
         and "rebuild the buckets in the order the hooks fired" in verdict, verdict
     assert cluster.run(_micro_ddp_verdict, "no-rebuild", False) == [None, None], "without rebuild=True it passes"
     assert cluster.run(_micro_ddp_verdict, "solution", True) == [None, None], "the reference rebuilds: it passes"
+
+
+# -- exercise 3: the rebuild, in the notebook's own cell ------------------------------------------
+
+REBUILD_PREAMBLE = PIECES_PREAMBLE + "MyMicroDDP = course.LessonMicroDDP   # section 5 written\n"
+
+
+def test_exercise_3_cell_passes_with_the_solution_and_its_scaffold_fails(cluster):
+    source = notebook_cell(NOTEBOOK, "class MyRebuildingMicroDDP", ddp_line=False)
+    assert cluster.run(run_exercise_cell, REBUILD_PREAMBLE + source) == [None, None], "the course's solution passes"
+    got = cluster.run(run_exercise_cell, REBUILD_PREAMBLE + notebook_cell(NOTEBOOK, "class MyRebuildingMicroDDP",
+                                                                          ddp_line=False, solution=False))[0]
+    assert got and "NotImplementedError" in got and "write MyRebuildingMicroDDP.forward" in got, got
+    assert cluster.run(_micro_ddp_verdict, "lesson-rebuilding", True) == [None, None]
+    without = cluster.run(_micro_ddp_verdict, "lesson-solution", True)[0]
+    assert without and "rebuild the buckets in the order the hooks fired" in without, without

@@ -7,7 +7,7 @@
 - ``check_grad_averaging`` (05_manual_gradient_averaging), in ``checks.grad_avg``
 - ``check_comm_hook`` (08_comm_hooks), in ``checks.comm_hook``
 - ``check_broadcast_state``, ``check_assign_buckets``, ``check_start_allreduce``, ``check_micro_ddp``,
-  ``check_compressor`` (11_capstone_micro_ddp), in ``checks.micro_ddp``
+  ``check_compressor``, ``check_late_flag`` (11_capstone_micro_ddp), in ``checks.micro_ddp``
 - the checkers of 12_zero_fsdp, in ``checks.zero``
 - ``check_pad_and_shard``, ``check_micro_fsdp`` (13_fsdp_by_hand), in ``checks.fsdp``
 - ``check_row_parallel_backward``, ``check_pipeline_schedule`` (15_beyond_data_parallelism), in ``checks.parallel``

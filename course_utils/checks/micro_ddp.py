@@ -204,6 +204,18 @@ class _Skippable(nn.Module):
         return self.out(h if skip else h + torch.relu(self.extra(h)))
 
 
+class _Normed(nn.Module):
+    """A BatchNorm layer between two Linear layers: its running statistics are buffers that every rank's forward
+    updates from its own batch."""
+
+    def __init__(self, d_in=16, d=32):
+        super().__init__()
+        self.enc, self.norm, self.out = nn.Linear(d_in, d), nn.BatchNorm1d(d), nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.enc(x))))
+
+
 def _make(kind, seed):
     """The models check_micro_ddp trains: the same weights for the same seed."""
     from course_utils.models import Reordered, make_model
@@ -219,6 +231,8 @@ def _make(kind, seed):
         return _ByRank().to(_device())
     if kind == "skippable":
         return _Skippable().to(_device())
+    if kind == "normed":
+        return _Normed().to(_device())
     if kind == "frozen":
         model = make_model(seed=seed).to(_device())
         model.net[0].bias.requires_grad_(False)
@@ -510,6 +524,56 @@ def _retained_graph_problem(make):
     return None
 
 
+def _buffers_problem(make):
+    """Duty 6: after a few training steps of a BatchNorm model, an eval forward gives the same output on every rank,
+    and torch DDP's (which broadcasts rank 0's buffers at the start of a forward). None when it does."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.data import make_regression
+
+    case = "a model with BatchNorm (buffers that every rank's forward updates from its own batch)"
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    try:
+        theirs = make(_make("normed", seed=7 if rank == 0 else 50 + rank), 25)
+    except Exception as exc:  # noqa: BLE001
+        return f"{case}: " + _raised("constructing your wrapper", exc)
+    torch_ddp = DDP(_make("normed", seed=7))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (theirs, torch_ddp)]
+    x, y = (t.to(_device()) for t in make_regression(n=16 * ws * 3, seed=13))
+    x_eval = make_regression(n=8, seed=14)[0].to(_device())
+    for step in range(3):
+        i = (step * ws + rank) * 16
+        for m, opt in zip((theirs, torch_ddp), opts):
+            opt.zero_grad(set_to_none=True)
+            try:
+                torch.nn.functional.mse_loss(m(x[i:i + 16]), y[i:i + 16]).backward()
+            except Exception as exc:  # noqa: BLE001
+                if m is theirs:
+                    return f"{case}, step {step}: " + _raised("a forward/backward through your wrapper", exc)
+                raise
+            opt.step()
+    with torch.no_grad():
+        theirs.eval(), torch_ddp.eval()
+        try:
+            got = theirs(x_eval)
+        except Exception as exc:  # noqa: BLE001
+            return f"{case}: " + _raised("an eval forward under torch.no_grad() through your wrapper", exc)
+        want = torch_ddp(x_eval)
+        theirs.train(), torch_ddp.train()
+    outs = [torch.zeros_like(got) for _ in range(ws)]
+    dist.all_gather(outs, got.contiguous())
+    if not all(torch.allclose(o, outs[0], rtol=0, atol=TOL) for o in outs):
+        return (f"{case}: after 3 training steps an eval forward gives different outputs on the ranks. BatchNorm's "
+                "running_mean and running_var are buffers, not parameters: no gradient carries them, and each "
+                "rank's forward updated its own copy from its own batch. torch DDP broadcasts rank 0's buffers at "
+                "the start of every forward (duty 6): do that in sync_buffers, called from forward.")
+    if not torch.allclose(got, want, rtol=0, atol=1e-5):
+        return (f"{case}: after 3 training steps the ranks agree on an eval forward, but not with torch DDP (by "
+                f"{(got - want).abs().max().item():.2e}). torch DDP keeps RANK 0's buffers (a broadcast from rank 0 at "
+                "the start of each forward), not an average of the ranks' statistics.")
+    return None
+
+
 def check_micro_ddp(make, rebuild=False):
     """``make(module, bucket_cap_mb)`` -> your DDP wrapper. Compared with torch DDP over SGD-with-momentum
     steps: default buckets, one bucket per parameter (where it must also overlap: an all-reduce started
@@ -520,20 +584,108 @@ def check_micro_ddp(make, rebuild=False):
     backward); inside ``no_sync()`` it counts the collectives that reach the process group instead (a
     ``CollectiveLog``), and any but a broadcast is a problem. Nested ``no_sync()`` blocks must restore the outer
     one's value.
-    Then a synced backward in which a layer takes no part must raise, and a second backward through a retained
-    graph (no forward before it) must sync too."""
+    Then a synced backward in which a layer takes no part must raise, a second backward through a retained
+    graph (no forward before it) must sync too, and after a few steps of a BatchNorm model an eval forward must
+    give every rank torch DDP's output (duty 6: rank 0's buffers broadcast at the start of every forward)."""
     cases = [c[:4] + (c[4] or (rebuild and c[3] == "reordered"),) for c in CASES]
     checks = [lambda c=c: _compare(make, c[0], c[1], c[2], kind=c[3], overlap=c[4]) for c in cases]
     problem = _first_problem(checks + [lambda: _agree(_nesting_problem(make)),
                                        lambda: _agree(_stale_work_problem(make)),
-                                       lambda: _agree(_retained_graph_problem(make))])
+                                       lambda: _agree(_retained_graph_problem(make)),
+                                       lambda: _agree(_buffers_problem(make))])
     _verdict(problem)
     if dist.get_rank() == 0:
-        print(f"check_micro_ddp: matches torch DDP within {TOL:g} on {len(CASES)} cases (default buckets; one bucket "
-              "per parameter, overlapping backward; no_sync accumulation; layers used out of registration order"
-              f"{', overlapping after the rebuild' if rebuild else ''}; a tied weight; a frozen parameter; a backward "
-              "order that differs by rank; no collective inside no_sync), restores nested no_sync blocks, raises "
-              "when a layer takes no part in a synced backward, and syncs a second backward through a retained graph.")
+        print(f"check_micro_ddp: matches torch DDP within {TOL:g} on {len(CASES)} cases"
+              f"{' (overlapping after the rebuild)' if rebuild else ''}, with no collective inside no_sync, and "
+              "keeps rank 0's BatchNorm buffers on every rank; nested no_sync, a skipped layer and a retained graph "
+              "are handled.")
+
+
+# -- exercise 2: the flag read at backward time ---------------------------------------------------
+
+_LATE_KEYS = ("torch DDP", "yours")
+
+
+def _late_flag_problem(make_late, predicted):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_utils.checks.fsdp import CollectiveLog
+    from course_utils.data import make_regression
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    try:
+        theirs = make_late(_make("mlp", seed=7 if rank == 0 else 50 + rank), 25)
+    except Exception as exc:  # noqa: BLE001
+        return _raised("constructing your class", exc)
+    torch_ddp = DDP(_make("mlp", seed=7))
+    counted = {"all_reduces": 0}
+
+    def counting_hook(state, bucket):
+        state["all_reduces"] += 1
+        fut = dist.all_reduce(bucket.buffer().div_(ws), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    torch_ddp.register_comm_hook(counted, counting_hook)
+    x, y = (t.to(_device()) for t in make_regression(n=16 * ws * 3, seed=11))
+    synced = {key: [] for key in _LATE_KEYS}
+    for k in range(3):
+        i = (rank * 3 + k) * 16
+        for key, m in (("yours", theirs), ("torch DDP", torch_ddp)):
+            loss = torch.nn.functional.mse_loss(m(x[i:i + 16]), y[i:i + 16]) / 3   # every forward outside no_sync
+            log, before = CollectiveLog(), counted["all_reduces"]
+            try:
+                with (m.no_sync() if k < 2 else contextlib.nullcontext()), (
+                        log if m is theirs else contextlib.nullcontext()):
+                    loss.backward()                                                  # only 2 backwards inside it
+            except Exception as exc:  # noqa: BLE001
+                if m is theirs:
+                    return f"micro-batch {k}: " + _raised("a backward through your class", exc)
+                raise
+            synced[key].append(bool(_gradient_collectives(log)) if m is theirs else counted["all_reduces"] > before)
+    # the verdicts name no count: the counts are what `predicted` asks for
+    if synced["yours"][:2] == [True, True]:
+        return ("your class all-reduced in backwards that ran inside no_sync(): it still decides in forward, where "
+                "every micro-batch ran outside no_sync(). In grad_ready, read self.require_backward_grad_sync "
+                "itself, when the backward runs, instead of the value forward stored.")
+    if synced["yours"] != [False, False, True]:
+        return ("your class did not all-reduce in exactly the backwards that ran outside no_sync(): a class that "
+                "reads the flag when each backward runs syncs those and no other.")
+    for (name, p), q in zip(theirs.module.named_parameters(), torch_ddp.module.parameters()):
+        if not torch.allclose(p.grad, q.grad, rtol=0, atol=TOL):
+            return (f"{name}.grad differs from torch DDP's after the 3 micro-batches by "
+                    f"{(p.grad - q.grad).abs().max().item():.2e}: the last backward must all-reduce everything the "
+                    "three accumulated.")
+    if not isinstance(predicted, dict) or set(predicted) != set(_LATE_KEYS):
+        return f"predicted must be a dict with the keys {list(_LATE_KEYS)}, got {predicted!r}."
+    missing = [key for key in _LATE_KEYS if predicted[key] is None]
+    if missing:
+        return (f"predicted: fill in {missing}: how many of the 3 backwards all-reduce (a number each), then run "
+                "the cell again.")
+    why = {"torch DDP": "torch DDP decides in forward (its forward arms the reduction when the flag is True): where "
+                        "did the three forwards run?",
+           "yours": "your class reads the flag when each backward runs: which backwards ran outside no_sync()?"}
+    for key in _LATE_KEYS:
+        if predicted[key] != sum(synced[key]):
+            label = "your class" if key == "yours" else key
+            return (f"{label}: your prediction, {predicted[key]!r}, is not the number of backwards that all-reduced "
+                    "on the ranks. " + why[key])
+    return None
+
+
+def check_late_flag(make_late, predicted):
+    """Self-check of 11_capstone_micro_ddp's exercise 2; call it on every rank (inside a ``%%ddp`` cell).
+
+    ``make_late(module, bucket_cap_mb)`` builds the learner's ``MyMicroDDP`` that reads
+    ``require_backward_grad_sync`` in ``grad_ready``, at backward time. Three micro-batches run their forwards
+    outside ``no_sync()`` and the backwards of the first two inside it, through that class and through torch DDP;
+    the checker sees which backwards issued a gradient collective (at the process group for the class, through a
+    comm hook for torch DDP), compares the gradients, then ``predicted`` ({"torch DDP": n, "yours": n}, how many of
+    the 3 backwards all-reduce) with the counts, never naming them. Raises ``AssertionError`` saying what is wrong;
+    rank 0 prints one line when it is right."""
+    _verdict(_agree(_late_flag_problem(make_late, predicted)))
+    if dist.get_rank() == 0:
+        print("check_late_flag: your class reads the flag when each backward runs, its gradients match torch DDP's, "
+              "and both predictions match what the ranks counted.")
 
 
 # -- exercise: a compressor -----------------------------------------------------------------------
