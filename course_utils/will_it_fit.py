@@ -23,10 +23,11 @@ How each row is found (the ``how`` column says which):
   extended to the true depth. Every block is the same, and a replica's peak in each phase, by kind, grows by the
   same bytes per block: tests/test_will_it_fit.py checks the extension against a measurement at the true depth,
   to the byte. (FSDP2's peak moment changes with the depth at small depths, so it is measured whole.)
-- **+ bucket**: DDP's copy of the gradients (``gradient_as_bucket_view=False``), allocated in C++ where no tensor
-  meter sees it, counted at the gradients' dtype, from the measured parameter count.
-- **counted on a measured replica**: full fine-tuning's DDP and ZeRO-2 rows, from ``true_size.replica_strategies``
-  on a replica measured in the script's precision (4 + 4 + 8 bytes per parameter; DDP's bucket; ZeRO-2's shards).
+- **+ bucket**: DDP's copy of the gradients (``gradient_as_bucket_view=False``), which the replica, measured without
+  DDP, never allocated (under DDP the meter counts it: tests/test_memory.py), counted at the gradients' dtype, from
+  the measured parameter count.
+- **counted on a measured replica**: full fine-tuning's DDP and ZeRO-2 rows, phase by phase from
+  ``true_size.replica_phases`` on a replica measured in the script's precision (4 + 4 + 8 bytes per parameter; DDP's bucket; ZeRO-2's shards).
 - **counted: needs a GPU**: QLoRA's 4-bit base (NF4 with double quantisation, 4.127 bits per weight), counted from
   the bf16-base LoRA row as lesson 16 counts it: bitsandbytes has no CPU kernels to measure. The parameters that
   are not 4-bit (embedding, ``lm_head``, norms, biases) count at fp32's 4 B: the printed recipe's
@@ -55,7 +56,7 @@ from pathlib import Path
 import torch
 
 from course_utils.true_size import (ARTICLE_14GB, GiB, LLAMA2_7B, MISTRAL_7B, TORCH_GPU_FOREACH, LlamaShape,
-                                    measure_step, replica_strategies)
+                                    measure_step, replica_phases)
 
 __all__ = ["MODELS", "CARDS", "USABLE", "SUPPORTED", "resolve_model", "shape_from_config", "parse_cards",
            "will_it_fit", "Plan", "Row", "measure_replica", "extend_by_blocks", "tiny_like", "check_plan",
@@ -545,12 +546,12 @@ def _rows(shape, method, W, results, precision):
                 prec = "mixed" if precision == "mixed" else "fp32"
                 # fp32 weights, gradients and moments (4 + 4 + 8 B) in both precisions: "mixed" is autocast's bf16
                 # compute over them, measured in the replica's activations and temporaries
-                counted = replica_strategies(rep, W, mixed_precision=False, foreach=FOREACH)
+                # phase by phase (replica_phases), the row's peak the largest phase: never maxima of phases summed
+                counted = replica_phases(rep, W, mixed_precision=False, foreach=FOREACH)
+                bucket = 4 * rep["n_trainable"] if W == 1 else 0     # one card: nothing to all-reduce, no bucket
                 for name in (("DDP", "ZeRO-2") if W > 1 else ("DDP",)):
-                    peak = counted[name]
-                    if W == 1:      # one card: nothing to all-reduce, no DDP bucket
-                        peak -= 4 * rep["n_trainable"]
-                    rows.append(Row("full", prec, name, ckpt, W, None, peak, "counted on a measured replica"))
+                    ph = {p: b - bucket for p, b in counted[name].items()}
+                    rows.append(Row("full", prec, name, ckpt, W, ph, max(ph.values()), "counted on a measured replica"))
             if fsdp is not None:
                 ph = _phases(fsdp)
                 rows.append(Row("full", "mixed" if precision == "mixed" else "fp32", "FSDP2", ckpt, W, ph,

@@ -229,10 +229,31 @@ def test_foreach_temporaries_are_sharded_with_the_state_and_the_setting_is_the_m
     assert steps == {"DDP": 2060, "ZeRO-1": 400 + 400 + 400 + 30 + 400, "ZeRO-2": 400 + 200 + 400 + 30}, steps
     with pytest.raises(ValueError, match="measured with foreach=True"):
         replica_phases(fe, 2, foreach=False)
-    unrecorded = {k: v for k, v in FP32_REPLICA.items() if k != "foreach"}     # as will_it_fit.measure_replica's
+    unrecorded = {k: v for k, v in FP32_REPLICA.items() if k != "foreach"}     # a replica without the record
     assert replica_phases(unrecorded, 2, foreach=True)["ZeRO-1"]["step"] == 1630
     assert replica_phases(unrecorded, 2)["ZeRO-1"]["step"] == 1660, "unrecorded and unsaid: the for-loop"
     assert measure_step(TINY, strategy="replica", seq_len=8, foreach=True)["foreach"] is True
+
+
+def test_a_replica_extended_by_blocks_keeps_its_setting_and_the_plan_counts_it_phase_by_phase():
+    """will_it_fit measures a deep replica at 2 and 3 blocks and extends it: the extended replica keeps the AdamW
+    setting it was measured with (else replica_phases would take foreach=True's temporaries as the for-loop's and
+    leave them whole under ZeRO), and the plan's counted rows carry replica_phases' phases, each row's peak the
+    largest of them (a row counted as one sum would hide which phase peaks)."""
+    import dataclasses
+
+    from course_utils.will_it_fit import _rows, measure_replica
+
+    deep = dataclasses.replace(TINY, n_layer=4)
+    replica = measure_replica(deep, seq_len=8, foreach=True)         # the setting the printed commands run
+    assert replica["how"] == "measured (blocks 2, 3)", replica["how"]
+    assert replica.get("foreach") is True, f"measure_replica(foreach=True) recorded {replica.get('foreach')}"
+    counted = replica_phases(replica, 2)
+    rows = [row for row in _rows(deep, "full", 2, {"replica": replica}, "fp32") if row.how.startswith("counted")]
+    assert rows, "the plan has rows counted on the replica"
+    for row in rows:
+        assert row.phases == counted[row.strategy], (row.strategy, row.phases, counted[row.strategy])
+        assert row.peak == max(counted[row.strategy].values()), row
 
 
 def test_cpu_adamw_seconds_scales_the_probe_linearly():
