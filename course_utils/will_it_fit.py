@@ -27,7 +27,8 @@ How each row is found (the ``how`` column says which):
   DDP, never allocated (under DDP the meter counts it: tests/test_memory.py), counted at the gradients' dtype, from
   the measured parameter count.
 - **counted on a measured replica**: full fine-tuning's DDP and ZeRO-2 rows, phase by phase from
-  ``true_size.replica_phases`` on a replica measured in the script's precision (4 + 4 + 8 bytes per parameter; DDP's bucket; ZeRO-2's shards).
+  ``true_size.replica_phases`` on a replica measured in the script's precision (4 + 4 + 8 bytes per parameter;
+  DDP's bucket; ZeRO-2's shards).
 - **counted: needs a GPU**: QLoRA's 4-bit base (NF4 with double quantisation, 4.127 bits per weight), counted from
   the bf16-base LoRA row as lesson 16 counts it: bitsandbytes has no CPU kernels to measure. The parameters that
   are not 4-bit (embedding, ``lm_head``, norms, biases) count at fp32's 4 B: the printed recipe's
