@@ -1,6 +1,6 @@
 """LoRA by hand on a real architecture (transformers' Llama), and what fine-tuning on small cards needs.
 
-Introduced in 16_fine_tuning_small_cards; scripts/finetune_lora.py uses the same pieces under torchrun.
+Introduced in 16_fine_tuning_small_cards; scripts/finetune.py uses the same pieces under torchrun.
 
 - **The model.** ``load_model("tiny")`` builds ``transformers``' ``LlamaForCausalLM`` at a tiny size
   (``TINY``, a character vocabulary of the course corpus), randomly initialised from a seed: nothing is
@@ -111,7 +111,7 @@ def lora_parameter_count(model, targets=("q_proj", "v_proj"), r=4):
 def lora_state_dict(model):
     """The adapters of a model wrapped by ``add_lora``, under peft's names
     (``base_model.model.<module>.lora_A.weight``): what ``adapter_model.safetensors`` holds. ``model`` may also be a
-    full state dict of such a model (scripts/finetune_lora.py gathers one from its FSDP shards)."""
+    full state dict of such a model (scripts/finetune.py gathers one from its FSDP shards)."""
     state = model if isinstance(model, dict) else dict(model.named_parameters())
     return {f"base_model.model.{name}.weight": t.detach().float().contiguous().clone()
             for name, t in state.items() if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
@@ -402,7 +402,7 @@ def true_size_peak(config=LLAMA_2_7B, *, lora=True, strategy="fsdp", world_size=
         dist.destroy_process_group()
 
 
-# -- the training loop of 15's checkpoint cells and of scripts/finetune_lora.py ----------------------------------------
+# -- the training loop of lesson 16's checkpoint cells (scripts/finetune.py's train_step adds accumulation) -------
 def shard_lora(model, mp_policy=None):
     """FSDP2 over a LoRA model: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, head).
     Frozen and trainable parameters are sharded alike; only the trainable ones get gradients to reduce-scatter."""

@@ -20,7 +20,7 @@ and what passed:
   bf16's precision);
 - lesson 17's tools on NCCL: a Flight Recorder dump of three NCCL all-reduces and a profiler trace with
   ``ProfilerActivity.CUDA`` that shows NCCL's kernels;
-- lesson 16's ``scripts/finetune_lora.py`` under torchrun on NCCL (DDP and FSDP2 over LoRA, the tiny Llama);
+- lesson 16's ``scripts/finetune.py`` under torchrun on NCCL (DDP and FSDP2 over LoRA, the tiny Llama);
 - ``will_it_fit``'s meter (fake tensors, lesson 14) against ``torch.cuda.max_memory_allocated()`` of the same
   AdamW step of a 160M-parameter Llama shape on cuda:0, per phase: the gap that the 15% margin stands for;
 - every lesson's ``%%ddp`` cells that can run on NCCL (no ``--backend gloo`` in force), in order, on NCCL at
@@ -66,7 +66,7 @@ PLAN = [
     ("DDP hooks", "bf16_compress_hook with gloo on CUDA tensors"),
     ("debugging", "a Flight Recorder dump and a profiler trace of an NCCL all-reduce (lesson 17)"),
     ("debugging", "the NCCL dump on <stem><rank>.pipe lands in $HOME/.cache/torch (lesson 17)"),
-    ("fine-tuning", "finetune_lora.py on NCCL: DDP, FSDP2 over LoRA (lesson 16)"),
+    ("fine-tuning", "finetune.py on NCCL: DDP, FSDP2 over LoRA (lesson 16)"),
     ("will it fit", "fake-tensor prediction against max_memory_allocated, one step per phase"),
     ("lessons", "%%ddp cells that can run on NCCL: NCCL, world size min(-n, GPUs)"),
     ("lessons", "the same cells at their -n, gloo, every rank's device = cuda:0"),
@@ -522,7 +522,7 @@ def check_nccl_dump_on_pipe(ctx):
 # ---- lesson 16's script on NCCL -------------------------------------------------------------------------------
 
 def check_finetune_script(ctx):
-    """scripts/finetune_lora.py, unchanged, under torchrun on NCCL (one rank per GPU, at most 2): DDP over the
+    """scripts/finetune.py, unchanged, under torchrun on NCCL (one rank per GPU, at most 2): DDP over the
     adapters and FSDP2 over the frozen base (bf16 compute), the tiny Llama, 6 steps each."""
     import re
     import subprocess
@@ -531,8 +531,9 @@ def check_finetune_script(ctx):
     losses, rates = {}, []
     for strategy in ("ddp", "fsdp"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(Path(__file__).resolve().parent / "finetune_lora.py"), "--model", "tiny", "--strategy", strategy,
-               "--steps", "6", "--log-every", "6"] + (["--bf16"] if strategy == "fsdp" else [])
+               str(Path(__file__).resolve().parent / "finetune.py"), "--model", "tiny", "--method", "lora",
+               "--strategy", strategy, "--steps", "6", "--log-every", "6"] + \
+            (["--precision", "mixed"] if strategy == "fsdp" else [])
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         out = result.stdout + result.stderr
         assert result.returncode == 0, f"{strategy}: exit code {result.returncode}: {out.strip()[-400:]}"

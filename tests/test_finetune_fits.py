@@ -1,7 +1,8 @@
-"""scripts/finetune_lora.py fits the cards its docstring names: Llama 2 7B, ``--strategy fsdp --bf16``, two 24 GB cards.
+"""scripts/finetune.py fits the cards its docstring names: Llama 2 7B, LoRA, ``--strategy fsdp --precision mixed``, two
+24 GB cards.
 
 The script's own ``build`` (with a ``load_base`` that gives Llama 2 7B's shape on ``meta`` instead of reading the hub)
-and one step of ``train_steps`` (what its main loop runs), at the docstring's command line, measured with fake
+and one ``train_step`` (what its main loop runs: every micro-batch), at the docstring's command line, measured with fake
 tensors on a fake world of 2 ranks, as ``course_utils.true_size`` measures (build on meta, ``fully_shard`` on the
 ``fake`` backend's world, ``to_empty`` under ``FakeTensorMode``, FSDPMemTracker over the step). The base on
 ``meta`` stands for the one the script reads into host memory: only what lands on the device is counted. Every
@@ -34,7 +35,7 @@ from conftest import ROOT
 from course_utils.true_size import LLAMA2_7B
 from course_utils.will_it_fit import extend_by_blocks
 
-SCRIPT = ROOT / "scripts" / "finetune_lora.py"
+SCRIPT = ROOT / "scripts" / "finetune.py"
 CARD = 24 * 2 ** 30                    # a "24 GB" card: 24 GiB, as nvidia-smi reports it
 USABLE = 0.85                          # what no tensor meter sees: CUDA context, NCCL, the allocator's cache
 WEIGHTS = ("Sharded Param", "Unsharded Param", "Parameter", "All Gather")   # a tracker's kinds that hold weights
@@ -43,7 +44,7 @@ DEPTHS = (2, 3, 4)                     # layers measured next: extended from the
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("finetune_lora", SCRIPT)
+    spec = importlib.util.spec_from_file_location("finetune", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -55,7 +56,7 @@ def promised_command(doc):
     assert len(lines) == 1, f"the docstring should give one torchrun line for Llama 2 7B, found {len(lines)}"
     words = shlex.split(lines[0])
     world_size = int(next(w.split("=")[1] for w in words if w.startswith("--nproc-per-node=")))
-    return world_size, words[words.index("scripts/finetune_lora.py") + 1:]
+    return world_size, words[words.index("scripts/finetune.py") + 1:]
 
 
 def llama_2_7b_on_meta(name, seed=0, dtype=torch.float32, n_layer=None):
@@ -98,24 +99,23 @@ def _restart_peak(tracker):
     tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
 
 
-def real_batches(monkeypatch):
-    """``course_utils.lora.finetune_batch`` on real tensors under FakeTensorMode: get_batch reads its window starts
+def real_batches(monkeypatch, script):
+    """The script's ``finetune_batch`` on real tensors under FakeTensorMode: get_batch reads its window starts
     with tolist()."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    import course_utils.lora as lora
-    real_batch = lora.finetune_batch
+    real_batch = script.finetune_batch
 
     def batch(*a, **kw):
         with unset_fake_temporarily():
             return real_batch(*a, **kw)
 
-    monkeypatch.setattr(lora, "finetune_batch", batch)
+    monkeypatch.setattr(script, "finetune_batch", batch)
 
 
-def measure(finetune_lora, argv, world_size, n_layer=None):
+def measure(finetune, argv, world_size, n_layer=None):
     """Peak bytes per rank of the build and of each phase of the first training step, and the most bytes of weights
-    a rank held at any moment, for ``finetune_lora.build(parse_args(argv))`` on a fake world of ``world_size``, with
+    a rank held at any moment, for ``finetune.build(parse_args(argv))`` on a fake world of ``world_size``, with
     ``n_layer`` of Llama 2 7B's decoder layers (default: all). Needs ``real_batches``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -126,17 +126,17 @@ def measure(finetune_lora, argv, world_size, n_layer=None):
     from course_utils.memory import skip_frozen
     from course_utils.true_size import fake_world
 
-    args = finetune_lora.parse_args(argv)
+    args = finetune.parse_args(argv)
     _, data = lora.tiny_tokenizer()
     device = torch.device("cpu")
     peaks, most_weights = {}, 0
     with fake_world(world_size):
-        model, optimizer = finetune_lora.build(args, device,
+        model, optimizer = finetune.build(args, device,
                                                load_base=functools.partial(llama_2_7b_on_meta, n_layer=n_layer))
         base = [p for p in model.parameters() if not p.requires_grad]
         base_bytes = sum(p.numel() * p.element_size() for p in base)           # the whole base (numel: global)
         dtypes = {p.dtype for p in base}
-        # train_steps averages the loss with .item(): with a ShapeEnv a fake tensor's item() is a symbol, not an error
+        # train_step averages the loss with .item(): with a ShapeEnv a fake tensor's item() is a symbol, not an error
         with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True):
             tracker = MemTracker()
             with tracker:
@@ -154,8 +154,9 @@ def measure(finetune_lora, argv, world_size, n_layer=None):
                 _restart_peak(tracker)
 
             hooks = [model.register_forward_hook(end_of_forward), optimizer.register_step_pre_hook(start_of_step)]
+            micro, accum, _ = finetune.batch_sizes(args, world_size)
             with tracker:
-                lora.train_steps(model, optimizer, data, 0, 1, args.global_batch_size, args.block_size)
+                finetune.train_step(model, optimizer, data, 0, args, micro, accum, device)
             peaks["step"] = _peak(tracker)
             for h in hooks:
                 h.remove()
@@ -163,10 +164,10 @@ def measure(finetune_lora, argv, world_size, n_layer=None):
     return dict(peaks=peaks, most_weights=most_weights, base_bytes=base_bytes, dtypes=dtypes, args=args)
 
 
-def measure_extended(finetune_lora, argv, world_size):
+def measure_extended(finetune, argv, world_size):
     """``measure`` at all 32 layers, extended from ``DEPTHS[:2]`` layers after checking the extension to ``DEPTHS[2]``
     (module docstring). The first measurement, at ``WARM_UP`` layers, only warms DTensor's caches."""
-    at = {L: measure(finetune_lora, argv, world_size, n_layer=L) for L in (WARM_UP, *DEPTHS)}
+    at = {L: measure(finetune, argv, world_size, n_layer=L) for L in (WARM_UP, *DEPTHS)}
     first, second, check = (at[L] for L in DEPTHS)
     numbers = ("peaks", "most_weights", "base_bytes")
     for key in numbers:
@@ -179,12 +180,13 @@ def measure_extended(finetune_lora, argv, world_size):
 
 
 def test_the_llama_2_7b_command_line_fits_two_24_gb_cards(monkeypatch):
-    finetune_lora = _script()
-    world_size, argv = promised_command(finetune_lora.__doc__)
-    assert world_size == 2 and "--bf16" in argv and argv[argv.index("--strategy") + 1] == "fsdp", argv
-    real_batches(monkeypatch)
+    finetune = _script()
+    world_size, argv = promised_command(finetune.__doc__)
+    assert world_size == 2 and argv[argv.index("--precision") + 1] == "mixed" and \
+        argv[argv.index("--strategy") + 1] == "fsdp" and int(argv[argv.index("--accum-steps") + 1]) > 1, argv
+    real_batches(monkeypatch, finetune)
     try:
-        got = measure_extended(finetune_lora, argv, world_size)
+        got = measure_extended(finetune, argv, world_size)
     except NotImplementedError as e:
         if "meta tensor" not in str(e):
             raise
@@ -196,20 +198,20 @@ def test_the_llama_2_7b_command_line_fits_two_24_gb_cards(monkeypatch):
     print(f"Llama 2 7B, {' '.join(argv)}, W = {world_size}: peak per rank {table}; the most weights held at once "
           f"{got['most_weights'] / 2 ** 30:.2f} GiB of the base's {got['base_bytes'] / 2 ** 30:.2f} GiB")
     assert set(peaks) == {"build", "forward", "backward", "step"}, f"a phase was not measured: {peaks}"
-    assert got["dtypes"] == {torch.bfloat16}, f"--bf16: the frozen base should be bf16, it is {got['dtypes']}"
+    assert got["dtypes"] == {torch.bfloat16}, f"mixed: the frozen base should be bf16, it is {got['dtypes']}"
     assert got["base_bytes"] == 2 * LLAMA2_7B.n_params, (
         f"the base extended to 32 layers holds {got['base_bytes']:,} bytes, not Llama 2 7B's parameters in bf16")
     assert got["most_weights"] < got["base_bytes"], (
         f"a rank held {got['most_weights'] / 2 ** 30:.2f} GiB of weights at once: the whole base "
         f"({got['base_bytes'] / 2 ** 30:.2f} GiB), which FSDP should never gather on one card")
     stated = re.search(r"the peak per rank is ([0-9.]+) GiB after the build and ([0-9.]+) GiB in forward and backward",
-                       " ".join(finetune_lora.__doc__.split()))
+                       " ".join(finetune.__doc__.split()))
     assert stated, "the docstring should state the measured peaks (after the build; in forward and backward)"
     measured = (peaks["build"], max(peaks["forward"], peaks["backward"]))
     assert all(abs(float(said) - n / 2 ** 30) < 0.05 for said, n in zip(stated.groups(), measured)), (
         f"the docstring says {stated.group(0)!r}; measured: {table}")
     args = got["args"]
-    layer_adapters = len(finetune_lora.targets_of(args)) * 2 * args.lora_r * LLAMA2_7B.d_model * 4   # A, B; fp32
+    layer_adapters = len(finetune.targets_of(args)) * 2 * args.lora_r * LLAMA2_7B.d_model * 4   # A, B; fp32
     for phase, n in peaks.items():
         n += layer_adapters if phase == "step" else 0       # the step's extension is bounded, not exact (docstring)
         assert n < budget, (f"{phase}: {n / 2 ** 30:.2f} GiB per rank, over {USABLE:.0%} of a 24 GiB card "

@@ -1,20 +1,26 @@
-"""scripts/finetune_lora.py (16_fine_tuning_small_cards) under torchrun on the CPU with the tiny Llama: DDP on one
-node of 2 ranks, FSDP on two "nodes" of 1 rank (static rendezvous), a rank killed under ``--max-restarts=1`` (the
-job restarts and resumes from its DCP checkpoint by itself), a resume at another world size, and the adapters it
+"""scripts/finetune.py (16_fine_tuning_small_cards; the command scripts/will_it_fit.py prints) under torchrun on the
+CPU with the tiny Llama: every method and strategy that runs on a CPU (full fine-tuning with DDP, ZeRO-2 and FSDP2;
+LoRA with DDP and FSDP2), gradient accumulation against one big batch, DDP on one node of 2 ranks and FSDP on two
+"nodes" of 1 rank (static rendezvous), a rank killed under ``--max-restarts=1`` (the job restarts and resumes from
+its DCP checkpoint by itself), a resume at another world size (FSDP's and ZeRO-2's checkpoints), and the adapters it
 saves in peft's format. (Its memory at Llama 2 7B's size: tests/test_finetune_fits.py.)
 
-Three jobs (four torchruns), each paying the imports of every rank, so each serves as many checks as it can
-(module fixtures; the first two run side by side):
-- ``ddp``: DDP on 1 node x 2, a DCP checkpoint at the end and ``--adapter-dir``: the DDP loss, and the adapters
-  written where ``--adapter-dir`` says;
-- ``fsdp``: FSDP on 2 nodes x 1 (two torchruns), checkpoints at steps 2, 4 and 6: the reference of every FSDP check,
-  the adapters written beside the checkpoints by global rank 0, and the step-2 checkpoint that the
-  other-world-size test resumes on 1 rank;
-- ``killed``: FSDP on 1 node x 2, checkpoints every 2 steps, its last rank killed before step 5 in the first
+Every run has the same global batch of 8 sequences a step, split differently, so all train the same model (LoRA's
+runs one, full fine-tuning's another): a split with accumulation (2 ranks x 2 micro-batches of 2) must reach the
+loss of one big batch per rank (2 ranks x 1 micro-batch of 4). Four jobs of launches (seven torchruns), each paying
+the imports of every rank, so each serves as many checks as it can (module fixtures; the runs of a fixture side by
+side):
+- ``ddp``: LoRA, DDP on 1 node x 2, one micro-batch of 4, a DCP checkpoint at the end and ``--adapter-dir``;
+- ``fsdp``: LoRA, FSDP on 2 nodes x 1 (two torchruns), 2 micro-batches of 2 (``set_requires_gradient_sync``),
+  checkpoints at steps 2, 4 and 6: the reference of every FSDP check, the adapters written beside the checkpoints by
+  global rank 0, and the step-2 checkpoint that the other-world-size test resumes on 1 rank;
+- ``killed``: LoRA, FSDP on 1 node x 2, checkpoints every 2 steps, its last rank killed before step 5 in the first
   attempt, the second attempt resuming from step 4 by itself. Its first attempt is the uninterrupted run of 1 node
   x 2 up to step 4, which the node-layout test compares with ``fsdp``'s (the step-4 checkpoints, to the bit); its
-  final loss must equal ``fsdp``'s.
-What needs no launcher runs the script's own functions in this process: the resume on 1 rank (``main`` as the one
+  final loss must equal ``fsdp``'s;
+- ``full``: full fine-tuning on 1 node x 2 with DDP (2 micro-batches of 2, ``no_sync``), ZeRO-2 (one micro-batch of
+  4, checkpoints every 2 steps) and FSDP (2 micro-batches of 2): the same loss.
+What needs no launcher runs the script's own functions in this process: the resumes on 1 rank (``main`` as the one
 rank of a world of 1: what DCP reshards is the check, torchrun's part is the other runs'), the refused options, and
 the per-attempt store on a real TCPStore in the agent's place.
 
@@ -30,8 +36,10 @@ import torch.distributed as dist
 
 from conftest import ROOT, finish, kill_process_group, retry_on_port_clash, start_torchrun, wait_until_listening
 
-SCRIPT = ROOT / "scripts" / "finetune_lora.py"
-ARGS = ["--model", "tiny", "--steps", "6", "--global-batch-size", "8", "--block-size", "32", "--log-every", "1"]
+SCRIPT = ROOT / "scripts" / "finetune.py"
+ARGS = ["--model", "tiny", "--steps", "6", "--global-batch-size", "8", "--seq-len", "32", "--log-every", "1"]
+ONE_BIG = ["--micro-batch-size", "4"]                  # 2 ranks x 1 micro-batch of 4
+ACCUMULATED = ["--micro-batch-size", "2"]              # 2 ranks x 2 micro-batches of 2 (accumulation)
 FINAL = re.compile(r"final_loss=([0-9.]+)")
 STEP = re.compile(r"step +(\d+) +loss ([0-9.]+)")   # not anchored: the ranks share torchrun's stdout
 KILLED_AT = 4   # the killed job's last rank exits before step 5 in its first attempt, after the step-4 checkpoint
@@ -56,7 +64,7 @@ def _check_reports(text, what):
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("finetune_lora", SCRIPT)
+    spec = importlib.util.spec_from_file_location("finetune", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -106,15 +114,15 @@ def references(tmp_path_factory):
     {strategy: {loss, dir (DCP checkpoints), adapters (their folder)}}; fsdp's also steps (rank 0's printed losses)."""
     root = tmp_path_factory.mktemp("references")
     ddp = start_torchrun("--standalone", "--nproc-per-node=2", script=SCRIPT,
-                         script_args=[*ARGS, "--strategy", "ddp", "--checkpoint-dir", root / "ddp",
+                         script_args=[*ARGS, *ONE_BIG, "--strategy", "ddp", "--checkpoint-dir", root / "ddp",
                                       "--adapter-dir", root / "ddp-adapters"])
 
     def launch(port):
         def node(rank):
             return start_torchrun("--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",
                                   "--master-addr=127.0.0.1", f"--master-port={port}", "--rdzv-backend=static",
-                                  script=SCRIPT, script_args=[*ARGS, "--strategy", "fsdp", "--checkpoint-dir",
-                                                              root / "fsdp", "--save-every", "2"])
+                                  script=SCRIPT, script_args=[*ARGS, *ACCUMULATED, "--strategy", "fsdp",
+                                                              "--checkpoint-dir", root / "fsdp", "--save-every", "2"])
         node0 = node(0)
         try:
             wait_until_listening(node0, port, "node 0")
@@ -156,8 +164,8 @@ def killed(tmp_path_factory):
     what it needs (the node-layout test only the first attempt's part)."""
     ckpt = tmp_path_factory.mktemp("killed")
     proc = start_torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", script=SCRIPT,
-                          script_args=[*ARGS, "--strategy", "fsdp", "--checkpoint-dir", ckpt, "--save-every", "2",
-                                       "--resume", "--fail-at-step", KILLED_AT])
+                          script_args=[*ARGS, *ACCUMULATED, "--strategy", "fsdp", "--checkpoint-dir", ckpt,
+                                       "--save-every", "2", "--resume", "--fail-at-step", KILLED_AT])
     try:
         out = finish(proc, f"fsdp, a rank killed at step {KILLED_AT}, --max-restarts=1", timeout=800, check=False)
     finally:
@@ -165,11 +173,52 @@ def killed(tmp_path_factory):
     return {"out": out, "returncode": proc.returncode, "dir": ckpt}
 
 
-def test_ddp_and_fsdp_train_the_same_adapters(ddp, fsdp):
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """Full fine-tuning on 1 node x 2, side by side: DDP and FSDP with 2 micro-batches of 2 per rank, ZeRO-2 with one
+    of 4 and a checkpoint every 2 steps. {strategy: {loss, out}}, ZeRO-2's with its checkpoint folder."""
+    root = tmp_path_factory.mktemp("full")
+    runs = {"ddp": ACCUMULATED, "zero2": [*ONE_BIG, "--checkpoint-dir", root / "zero2", "--save-every", "2"],
+            "fsdp": ACCUMULATED}
+    procs = {s: start_torchrun("--standalone", "--nproc-per-node=2", script=SCRIPT,
+                               script_args=[*ARGS, "--method", "full", "--strategy", s, *extra])
+             for s, extra in runs.items()}
+    try:
+        outs = {s: finish(proc, f"full fine-tuning, {s}", timeout=800) for s, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            kill_process_group(proc)
+    return {s: {"loss": _final(out, f"full, {s}"), "out": out, "dir": root / s} for s, out in outs.items()}
+
+
+def test_ddp_and_fsdp_train_the_same_adapters_with_or_without_accumulation(ddp, fsdp):
+    """DDP with one micro-batch of 4 per rank, FSDP with 2 of 2 (its gradient sync skipped on the first)."""
     assert 2.0 < ddp["loss"] < 4.5, (ddp["loss"], fsdp["loss"])
     assert abs(ddp["loss"] - fsdp["loss"]) < 1e-4, (
-        f"DDP over the adapters and FSDP over the frozen base should reach the same loss: {ddp['loss']} (DDP), "
-        f"{fsdp['loss']} (FSDP)")
+        f"DDP over the adapters (one micro-batch of 4) and FSDP over the frozen base (2 accumulated micro-batches of "
+        f"2) should reach the same loss: {ddp['loss']} (DDP), {fsdp['loss']} (FSDP)")
+
+
+def test_full_fine_tuning_ddp_zero2_and_fsdp_train_the_same_model(full, ddp):
+    """DDP and FSDP accumulate 2 micro-batches of 2 (no_sync, set_requires_gradient_sync), ZeRO-2 runs one of 4: the
+    same global batch, the same training, within rounding. Every parameter trains: not LoRA's loss."""
+    losses = {s: r["loss"] for s, r in full.items()}
+    assert all(2.0 < v < 4.5 for v in losses.values()), losses
+    assert max(losses.values()) - min(losses.values()) < 1e-4, losses
+    assert abs(losses["ddp"] - ddp["loss"]) > 1e-3, (losses, ddp["loss"])
+    for s, r in full.items():
+        assert f"full, {s}, fp32: 2 ranks x {2 if s != 'zero2' else 1} micro-batch(es)" in r["out"], r["out"][-2000:]
+
+
+def test_zero2_resumes_at_another_world_size(full, tmp_path, monkeypatch, capsys):
+    """ZeRO-2's step-2 checkpoint of 2 ranks (AdamW's state whole, gathered at the save) resumed on 1 rank, with
+    2 micro-batches of 4 where each of the 2 ranks ran one: the same global batch."""
+    shutil.copytree(full["zero2"]["dir"] / "step_2", tmp_path / "step_2")
+    (tmp_path / "latest").write_text("step_2")
+    out = _run_in_process(["--method", "full", "--strategy", "zero2", *ONE_BIG, "--checkpoint-dir", tmp_path,
+                           "--resume"], monkeypatch, capsys)
+    assert "resumed from" in out and "at step 2" in out and "on 1 ranks" in out, out[-3000:]
+    assert abs(_final(out, "zero2 resumed at 1 rank") - full["zero2"]["loss"]) < 1e-4, (out[-2000:], full["zero2"])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -232,13 +281,39 @@ def test_resume_at_another_world_size(fsdp, tmp_path, monkeypatch, capsys):
     assert abs(_final(out, "resumed at 1 rank") - fsdp["loss"]) < 1e-4, (out[-2000:], fsdp["loss"])
 
 
-def test_resume_without_a_checkpoint_dir_is_refused(capsys):
-    """The script's own argument parser, in this process: what ``python scripts/finetune_lora.py --resume`` runs
-    before anything else (main parses first)."""
+@pytest.mark.parametrize("argv, says", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--method", "qlora"], "--method qlora needs a CUDA GPU: its 4-bit base runs on bitsandbytes' CUDA kernels"),
+    (["--method", "lora", "--strategy", "zero2"], "--method lora runs with --strategy ddp or fsdp, not zero2"),
+    (["--accum-steps", "0"], "--accum-steps 0: give a whole number of at least 1"),
+])
+def test_a_refused_option_says_what_to_give_in_one_line(argv, says, monkeypatch, capsys):
+    """The script's own argument parser, in this process: what ``python scripts/finetune.py ...`` runs before
+    anything else (main parses first). QLoRA on a machine without CUDA, as every CI machine is."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:
-        _script().parse_args(["--resume"])
+        _script().parse_args(argv)
     err = capsys.readouterr().err
-    assert exit_.value.code != 0 and "--resume needs --checkpoint-dir" in err, err
+    assert exit_.value.code == 2 and err.startswith("finetune: ") and says in err and err.count("\n") == 1, err
+
+
+def test_any_two_batch_sizes_give_the_third():
+    script, world = _script(), 2
+
+    def sizes(**kw):
+        args = script.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+        return script.batch_sizes(args, world)
+
+    assert sizes() == (8, 1, 16)                                   # the default: one micro-batch per rank
+    assert sizes(global_batch_size=32, micro_batch_size=2) == (2, 8, 32)
+    assert sizes(global_batch_size=32, accum_steps=4) == (4, 4, 32)
+    assert sizes(micro_batch_size=2, accum_steps=3) == (2, 3, 12)
+    assert sizes(global_batch_size=32, micro_batch_size=2, accum_steps=8) == (2, 8, 32)
+    for kw, says in ((dict(global_batch_size=30, micro_batch_size=4), "give a multiple of 8"),
+                     (dict(global_batch_size=32, micro_batch_size=2, accum_steps=4), "give two of the three"),
+                     (dict(global_batch_size=7), "give a multiple of 2")):
+        with pytest.raises(SystemExit, match=says):
+            sizes(**kw)
 
 
 def test_a_restarted_attempt_never_reads_the_failed_attempts_addresses(killed, monkeypatch):
