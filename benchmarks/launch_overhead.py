@@ -14,6 +14,11 @@ one-all-reduce job. Issue 41's targets: first start <= 0.4x spawn; every later s
 the warm round trip with 300k objects within 1.2x of the empty one. ``--against DIR`` runs the same rows with
 DIR's ``course_utils`` (a `git worktree` of an older commit) in a second process, then this checkout's again, and
 prints the two side by side. ``COURSE_UTILS_START=spawn`` measures the fallback.
+
+``--failures`` measures only how soon a failure is reported (2 ranks, median of 3): from the moment the failing rank
+fails (it stamps the time just before) to the DistributedError in the notebook, while the other rank waits in a
+collective, sleeps or computes; ``COURSE_UTILS_BENCH_NO_PROC=1`` measures it as on a system without /proc (macOS).
+Target: <= 0.5 s in every row, on both start paths. With ``--against DIR`` too: both side by side.
 """
 import datetime
 import os
@@ -129,6 +134,50 @@ def time_other_world_size(world_size):
         return time.perf_counter() - t0
 
 
+FAILURE_CASES = [  # (key, row name, what rank 0 does, how rank 1 fails)
+    ("exit_collective", "report: rank 1 exits while rank 0 waits in a collective", "dist.all_reduce(torch.ones(1))",
+     "os._exit(3)"),
+    ("exit_sleep", "report: rank 1 exits while rank 0 sleeps", "time.sleep(60)", "os._exit(3)"),
+    ("exit_compute", "report: rank 1 exits while rank 0 computes", "while True:\n        pass", "os._exit(3)"),
+    ("raise_compute", "report: rank 1 raises while rank 0 computes", "while True:\n        pass",
+     "raise ValueError('x')"),
+    ("raise_collective", "report: rank 1 raises while rank 0 waits in a collective", "dist.all_reduce(torch.ones(1))",
+     "raise ValueError('x')"),
+]
+
+
+def _without_proc():
+    """The engine as on a system without /proc (macOS): exit codes from the fork server alone, no /proc sampling."""
+    from course_utils.engine import _forkstart, launcher
+
+    _forkstart.zombie_exit_code = lambda pid: None
+    _forkstart.ForkedProcess._stat = lambda self: None
+    if hasattr(launcher, "_task_states"):  # an engine that sampled the ranks' states there
+        launcher._task_states = lambda pid: None
+
+
+def time_failure_reports(repeats=int(os.environ.get("COURSE_UTILS_BENCH_REPEATS", 3))):
+    """Seconds from a rank's failure (stamped by the rank just before it fails) to the DistributedError, per case
+    of FAILURE_CASES (median of ``repeats``: COURSE_UTILS_BENCH_REPEATS, 3 unless set)."""
+    if os.environ.get("COURSE_UTILS_BENCH_NO_PROC"):
+        _without_proc()
+    got = {}
+    with tempfile.TemporaryDirectory() as d, Cluster(world_size=2, backend="gloo", timeout=120) as c:
+        stamp = os.path.join(d, "failed_at")
+        for key, _, other, failure in FAILURE_CASES:
+            times = []
+            for _ in range(repeats):
+                c.run("None")  # the ranks (fresh after a death) are up and the group rebuilt before the clock runs
+                cell = (f"import os, time, torch, torch.distributed as dist\nif rank == 1:\n    time.sleep(0.3)\n"
+                        f"    open({stamp!r}, 'w').write(repr(time.time()))\n    {failure}\nelse:\n    {other}")
+                try:
+                    c.run(cell)
+                except DistributedError:
+                    times.append(time.time() - float(open(stamp).read()))
+            got[key] = statistics.median(times)
+    return got
+
+
 def header(start, started):
     """The table's first line. The cores this process may use: os.sched_getaffinity where the system has it
     (Linux), else the core count (macOS), as the engine counts them."""
@@ -191,7 +240,7 @@ def measure():
 
 def _cell(got, key, unit):
     value = got[key] * (1e3 if unit == "ms" else 1)
-    ratio = f" ({got[key] / got['spawn']:.2f}x)" if unit == "s" and key != "spawn" else ""
+    ratio = f" ({got[key] / got['spawn']:.2f}x)" if unit == "s" and key != "spawn" and "spawn" in got else ""
     return f"{value:7.2f} {unit}{ratio}"
 
 
@@ -212,14 +261,20 @@ def verdicts(got):
     return lines
 
 
-def _measure_in(root):
+def _failure_verdicts(got):
+    return [f"{name}: {got[key]:.2f} s (target <= 0.5 s): {'met' if got[key] <= 0.5 else 'MISSED'}"
+            for key, name, _, _ in FAILURE_CASES]
+
+
+def _measure_in(root, failures=False):
     """The rows measured in a fresh process with ``root``'s course_utils (``--against``)."""
     import json
     import subprocess
 
     # run from ``root``, with it first on the path: the ranks and the fork server import the engine from there too
     env = dict(os.environ, COURSE_UTILS_ROOT=root, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--json"], env=env, cwd=root,
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--json"] + (["--failures"] if failures else []),
+                         env=env, cwd=root,
                          capture_output=True, text=True, timeout=900)
     if run.returncode != 0:
         sys.exit(f"the run with {root}'s engine failed:\n{run.stderr[-3000:]}")
@@ -231,30 +286,35 @@ def main(argv):
 
     from course_utils.engine import _forkstart
 
+    failures = "--failures" in argv
+    argv = [a for a in argv if a != "--failures"]
+    rows = [(key, name, "s") for key, name, _, _ in FAILURE_CASES] if failures else ROWS
     if argv == ["--json"]:
-        print(json.dumps(measure()))
+        print(json.dumps(time_failure_reports() if failures else measure()))
         return
     start = "fork server (torch preloaded)" if _forkstart.wanted() else "fresh interpreters (COURSE_UTILS_START=spawn)"
+    if os.environ.get("COURSE_UTILS_BENCH_NO_PROC"):
+        start += ", as without /proc"
     if argv[:1] == ["--against"] and len(argv) == 2:
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        runs = [("this checkout", _measure_in(here)), (argv[1], _measure_in(argv[1])),
-                ("this checkout, again", _measure_in(here))]
-        print(header(start, runs[0][1]["_started"]))
+        runs = [("this checkout", _measure_in(here, failures)), (argv[1], _measure_in(argv[1], failures)),
+                ("this checkout, again", _measure_in(here, failures))]
+        print(header(start, runs[0][1].get("_started", start)))
         print(f"{'':<70} " + " ".join(f"{name[-22:]:>22}" for name, _ in runs))
-        for key, name, unit in ROWS:
+        for key, name, unit in rows:
             print(f"{name:<70} " + " ".join(f"{_cell(got, key, unit):>22}" for _, got in runs))
         print()
-        for line in verdicts(runs[0][1]):
+        for line in _failure_verdicts(runs[0][1]) if failures else verdicts(runs[0][1]):
             print(line)
         return
     if argv:
-        sys.exit(f"usage: {sys.argv[0]} [--against CHECKOUT]")
-    got = measure()
-    print(header(start, got["_started"]))
-    for key, name, unit in ROWS:
+        sys.exit(f"usage: {sys.argv[0]} [--failures] [--against CHECKOUT]")
+    got = time_failure_reports() if failures else measure()
+    print(header(start, got.get("_started", start)))
+    for key, name, unit in rows:
         print(f"{name:<70} {_cell(got, key, unit)}")
     print()
-    for line in verdicts(got):
+    for line in _failure_verdicts(got) if failures else verdicts(got):
         print(line)
 
 

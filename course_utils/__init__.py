@@ -30,8 +30,8 @@ The package by lesson (each module's docstring says "Introduced in NN_..."):
   cluster's tools leave behind (Flight Recorder dumps, py-spy stacks, profiler traces)
 - ``diffusion`` (18): a tiny diffusion UNet trained data-parallel, and Stable Diffusion at true size
 """
-from course_utils.engine.launcher import (
-    CellSyntaxError, Cluster, DistributedError, DistributedTimeout, choose_backend, launch, spawn)
+from course_utils.engine.launcher import CellSyntaxError, Cluster, DistributedError, DistributedTimeout, choose_backend
+from course_utils.engine.oneshot import launch, spawn
 from course_utils.engine.progress import progress
 
 __all__ = ["Cluster", "CellSyntaxError", "DistributedError", "DistributedTimeout", "choose_backend", "get_cluster",

@@ -3,7 +3,9 @@
 - ``Kernel``: a real IPython kernel driven through jupyter_client, as JupyterLab drives it.
 - ``listening_addresses(pids)``: the local addresses the given processes listen on.
 - ``ranks_below(pid)``: the live ranks started below ``pid``, on either start path.
+- ``asleep(pid)``: every thread of a process is asleep (Linux).
 - ``wait_until_the_fork_server_has_imported_everything()``: the second fork server has imported LATER and serves.
+- ``check_multiprocessing_with_cell_code(cluster)``: multiprocessing on a rank with what the cells define.
 """
 import os
 import shutil
@@ -143,6 +145,20 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFF
             "127.0.0.1", "::1", "::ffff:127.0.0.1"}  # as psutil or /proc/net/tcp{,6} write them
 
 
+def asleep(pid):
+    """Every thread of ``pid`` is asleep (state S: waiting on a peer, a pipe, a timer), as /proc shows it; False
+    once it is gone. Linux only: tests that wait until ranks wait before they act."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        return False
+    return bool(states) and all(state == "S" for state in states)
+
+
 def ranks_below(pid):
     """Every live descendant of ``pid`` that leads its own session: on both start paths each rank calls
     setsid (the fork server's children) or is started with start_new_session (fresh interpreters); the fork
@@ -161,3 +177,60 @@ def ranks_below(pid):
             if int(fields[3]) == child:  # its session id is its own pid
                 found.add(child)
     return found
+
+
+# ---- multiprocessing on a rank ----------------------------------------------------------------------------------
+MP_CELL = """\
+import multiprocessing as mp
+import torch
+
+def sq(x):
+    return x * x
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+    class Inner:
+        def __init__(self, v):
+            self.v = v
+
+def make(v):
+    return Box(v)
+
+def make_inner(v):
+    return Box.Inner(v)
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor(float(sq(i)))
+"""
+
+
+def check_multiprocessing_with_cell_code(cluster):
+    """What the README promises on a rank, on either start path: a Pool in every context maps a cell's function,
+    and instances of a cell's class (nested, or redefined by a later cell) come back as the rank's own class;
+    a spawn DataLoader with 2 workers loads a cell's Dataset. Raises AssertionError naming the case that failed."""
+    def run(code):  # the value on rank 0, the others checked equal; spawn children import torch: slow under load
+        values = cluster.run(code, timeout=120)
+        assert all(v == values[0] for v in values), values
+        return values[0]
+
+    run(MP_CELL)
+    pool = "with mp.get_context({!r}).Pool(2) as pool:\n    out = pool.map_async({}, [1, 2]).get(60)\n"
+    for method in ("fork", "spawn", "forkserver"):
+        assert run(pool.format(method, "sq") + "out") == [1, 4], method
+        got = run(pool.format(method, "make") + "[(type(b) is Box, b.v) for b in out]")
+        assert got == [(True, 1), (True, 2)], (method, got)
+        got = run(pool.format(method, "make_inner") + "[(type(b) is Box.Inner, b.v) for b in out]")
+        assert got == [(True, 1), (True, 2)], ("nested", method, got)
+    run("class Box:\n    def __init__(self, v):\n        self.v = -v")
+    got = run(pool.format("spawn", "make") + "[(type(b) is Box, b.v) for b in out]")
+    assert got == [(True, -1), (True, -2)], ("redefined", got)
+    got = run("loader = torch.utils.data.DataLoader(Squares(), batch_size=2, num_workers=2,\n"
+                      "                                     multiprocessing_context='spawn', timeout=60)\n"
+                      "[b.tolist() for b in loader]")
+    assert got == [[0.0, 1.0], [4.0, 9.0]], ("DataLoader", got)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT, in_ci
-from engine_helpers import ranks_below
+from engine_helpers import asleep, ranks_below
 from course_utils import Cluster, DistributedError
 from course_utils.engine import _forkstart, export, magic, reports
 
@@ -353,15 +353,14 @@ def test_backend_gloo_on_a_cpu_machine_keeps_the_auto_cluster(monkeypatch):
         magic.shutdown_cluster()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
 def test_an_interrupt_says_where_each_rank_was_without_engine_frames(two, tmp_path):
-    from course_utils.engine.launcher import _blocked
-
     done = threading.Event()
 
     def stop_once_both_wait():  # not a fixed delay: on a loaded machine a rank may take seconds to get there
         deadline = time.monotonic() + 60
         while not done.is_set() and time.monotonic() < deadline:
-            if all((tmp_path / str(r)).exists() for r in (0, 1)) and all(_blocked(p) for p in two.pids):
+            if all((tmp_path / str(r)).exists() for r in (0, 1)) and all(asleep(p) for p in two.pids):
                 os.kill(os.getpid(), signal.SIGINT)  # both ranks are in their sleep or barrier
                 return
             time.sleep(0.05)
@@ -396,29 +395,6 @@ def test_two_ranks_that_die_are_both_named(make_cluster):
         c.run_cell("import os, time\nif rank in (1, 2):\n    os._exit(5 + rank)\ntime.sleep(5)")  # at once
     text = str(info.value)
     assert text.startswith("rank 1 died: it exited with code 6") and "rank 2: exited with code 7" in text, text
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
-def test_the_dead_rank_wait_tells_a_rank_that_waits_from_one_that_runs():
-    """The report stops waiting for more deaths once every live rank is blocked (asleep, in a collective):
-    a rank still running, or runnable and waiting for a core on a loaded machine, may be on its way out."""
-    from course_utils.engine.launcher import _blocked
-
-    asleep = subprocess.Popen([sys.executable, "-c", "print(flush=True)\nimport time\ntime.sleep(120)"],
-                              stdout=subprocess.PIPE)
-    busy = subprocess.Popen([sys.executable, "-c", "print(flush=True)\nwhile True:\n    pass"], stdout=subprocess.PIPE)
-    try:
-        asleep.stdout.readline(), busy.stdout.readline()  # both past their start (the machine may be loaded)
-        deadline = time.monotonic() + 60
-        while not _blocked(asleep.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _blocked(asleep.pid), "a sleeping process is blocked"
-        assert not any(_blocked(busy.pid) for _ in range(20)), "a spinning process never reads as blocked"
-    finally:
-        for p in (asleep, busy):
-            p.kill()
-            p.wait()
-    assert not _blocked(busy.pid), "a process that is gone is not counted as a live rank waiting"
 
 
 # -- issue 25: a start slow enough to stop ------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from course_utils import Cluster, DistributedError
+from engine_helpers import check_multiprocessing_with_cell_code
 
 COUNTS = ("import os\n"
           "(len(os.listdir('/proc/self/fd')), len(os.listdir('/proc/self/task')))")
@@ -276,45 +277,15 @@ def test_the_launch_benchmark_counts_cores_on_a_system_without_sched_getaffinity
     assert bench.header("fork server", "fork server").startswith("launch overhead on 8 cores, torch ")
 
 
-def test_multiprocessing_spawn_and_forkserver_contexts_get_functions_and_classes_defined_in_cells(make_cluster):
-    """mp.get_context('spawn').Pool(1).map(sq, [3]) with sq from a cell waited until the timeout: the child
-    found no 'sq' in its __main__. So did DataLoader(..., multiprocessing_context='spawn') with a cell's Dataset."""
-    c = make_cluster(1, timeout=120)
-    c.run("import multiprocessing as mp\nimport torch\n"
-          "def sq(x):\n    return x * x\n"
-          "class Squares(torch.utils.data.Dataset):\n"
-          "    def __len__(self):\n        return 4\n"
-          "    def __getitem__(self, i):\n        return torch.tensor(float(sq(i)))")
-    for method in ("spawn", "forkserver", "fork"):
-        assert c.run(f"with mp.get_context({method!r}).Pool(1) as pool:\n"
-                     "    got = pool.map_async(sq, [3, 4]).get(60)\ngot") == [[9, 16]], method
-    assert c.run("loader = torch.utils.data.DataLoader(Squares(), batch_size=2, num_workers=1,\n"
-                 "                                     multiprocessing_context='spawn')\n"
-                 "[b.tolist() for b in loader]") == [[[0.0, 1.0], [4.0, 9.0]]]
-
-
-def test_instances_of_cell_classes_come_back_from_every_context_as_the_cells_class(make_cluster):
-    """Both directions, fork, spawn and forkserver: a Pool returning a cell's class could not send it back
-    (MaybeEncodingError), a fork child's instances were of a by-value copy (isinstance False), and ranks inherited
-    the engine's "forkserver" start method, which no torchrun process has: a DataLoader with 2 workers and a
-    cell's Dataset hung on its items. Ranks now have the platform's start method, as under torchrun."""
+def test_multiprocessing_on_a_rank_works_with_what_the_cells_define_in_every_context(make_cluster):
+    """A Pool in the fork, spawn and forkserver contexts maps a cell's function; what a child sends back (an
+    instance of a cell's class, nested or redefined) is the rank's own class; a spawn DataLoader with 2 workers
+    loads a cell's Dataset. Ranks have the platform's start method, as under torchrun (not the engine's own)."""
     import multiprocessing
 
     c = make_cluster(1, timeout=120)
     assert c.run("import multiprocessing as mp\nmp.get_start_method()") == [multiprocessing.get_start_method()]
-    c.run("import torch\n"
-          "class Box:\n    def __init__(self, v):\n        self.v = v\n"
-          "def make(v):\n    return Box(v)\n"
-          "class Boxes(torch.utils.data.Dataset):\n"
-          "    def __len__(self):\n        return 4\n"
-          "    def __getitem__(self, i):\n        return make(i)")
-    for method in ("fork", "spawn", "forkserver"):
-        got = c.run(f"with mp.get_context({method!r}).Pool(2) as pool:\n"
-                    "    out = pool.map_async(make, [1, 2]).get(60)\n"
-                    "[(type(b) is Box, b.v) for b in out]")
-        assert got == [[(True, 1), (True, 2)]], method
-    assert c.run("loader = torch.utils.data.DataLoader(Boxes(), batch_size=None, num_workers=2, timeout=60)\n"
-                 "[(isinstance(b, Box), b.v) for b in loader]") == [[(True, i) for i in range(4)]]
+    check_multiprocessing_with_cell_code(c)
 
 
 def test_the_same_checker_verdict_on_every_rank_is_shown_once(make_cluster):

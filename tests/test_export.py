@@ -7,10 +7,12 @@ visible; elsewhere both run on gloo with the GPUs hidden (``torchrun_env``), as 
 import ast
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import finish, retry_on_port_clash, start_torchrun, torchrun_env
+from conftest import finish, free_port, retry_on_port_clash, start_torchrun, torchrun_env
 from course_utils import choose_backend
 from course_utils.engine.export import write_script
 from engine_helpers import Kernel
@@ -229,3 +231,18 @@ def test_an_exported_init_process_group_with_another_world_size_says_why(tmp_pat
 
     out = retry_on_port_clash(run)
     assert "world_size=3, but torchrun started 2 processes" in out, out[-3000:]
+
+
+def test_an_exported_script_whose_cell_uses_a_spawn_pool_runs_once_per_rank(tmp_path):
+    """A spawn (or forkserver) child imports the script again: only the cells' definitions run there, never the
+    process group's start or the cells' statements, so a Pool of a cell's function works as in the notebook."""
+    cell = ("import multiprocessing as mp\n"
+            "def sq(x):\n    return x * x\n"
+            "with mp.get_context('spawn').Pool(1) as pool:\n    got = pool.map(sq, [2, 3])\n"
+            "print('squares', got)")
+    path = write_script(tmp_path / "pool.py", [("cell", "-n 1", cell)], world_size=1, backend="gloo")
+    env = torchrun_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "squares [4, 9]" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -151,10 +151,14 @@ def test_kernel_end_leaves_no_worker(kernel, how, tmp_path):
 
 
 def test_live_status_while_running_and_only_the_grouped_output_stays():
+    """The live view shows while a cell runs and is blanked before the output is printed; it never clears the
+    cell's other output (the note on what a rank printed after its previous cell)."""
     k = Kernel(like_jupyterlab=True)
     try:
         k.execute("%load_ext course_utils")
-        assert k.execute("%%ddp -n 2\nimport time")[0] == "ok"
+        assert k.execute("%%ddp -n 2\nimport threading, time\n"
+                         "threading.Timer(0.2, print, ('late', rank)).start()")[0] == "ok"
+        time.sleep(1.0)
         msg_id = k.kc.execute("%%ddp\nfrom course_utils import progress\n"
                               "for i in progress(range(30), desc='train'):\n    time.sleep(0.1)\nprint('done', rank)")
         kinds, live_texts, final = [], [], []
@@ -173,8 +177,13 @@ def test_live_status_while_running_and_only_the_grouped_output_stays():
         k.reply(msg_id)
         assert "display_data" in kinds and "update_display_data" in kinds, kinds
         assert any("train [" in t and "[rank 1]" in t for t in live_texts), live_texts
-        assert kinds.index("clear_output") < kinds.index("stream"), "the live line is cleared before the output"
-        assert "".join(final) == "[rank 0] done 0\n[rank 1] done 1\n"
+        assert "clear_output" not in kinds, "the live view clears its own line, not the cell's output"
+        assert live_texts[-1] == "", "the live line is blanked when the cell ends"
+        last_update = len(kinds) - 1 - kinds[::-1].index("update_display_data")
+        assert last_update < len(kinds) - 1 - kinds[::-1].index("stream"), "blanked before the output is printed"
+        text = "".join(final)
+        assert "printed this after its previous call had finished" in text and "[rank 1] late 1" in text, text
+        assert text.endswith("[rank 0] done 0\n[rank 1] done 1\n"), text
     finally:
         k.close()
 
@@ -186,7 +195,11 @@ def test_line_magics_status_restart_shutdown_and_the_default_timeout(kernel):
     status, out, _ = kernel.execute("%ddp status")
     pids = kernel.worker_pids()
     backend = choose_backend("auto", 2)  # gloo here; nccl with 2 or more GPUs
-    assert out == f"2 ranks, backend {backend}, timeout 60 s, 0 restart(s), worker pids {pids}\n", out
+    devices = "  rank 0: cpu\n  rank 1: cpu\n" if backend == "gloo" else ""  # on NCCL: cuda:N, its memory too
+    assert out.startswith(f"2 ranks, backend {backend}, timeout 60 s, 0 restart(s), worker pids {pids}\n"
+                          f"{devices}"), out
+    if backend == "nccl":
+        assert "  rank 1: cuda:1" in out, out
     assert kernel.execute("%ddp restart")[1] == f"restarted 2 {backend} ranks\n"
     assert kernel.worker_pids() != pids and not any(_alive(p) for p in pids)
     status, out, ename = kernel.execute("%ddp pull kept")

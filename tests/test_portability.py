@@ -49,7 +49,8 @@ def test_ranks_are_released_without_proc_after_torch_dynamo_is_imported(no_proc_
     with pytest.raises(DistributedError) as info:  # without the cut, a DistributedTimeout after 120 s
         c.run("if rank == 1:\n    raise ValueError('late')\ndist.all_reduce(torch.ones(1))")
     assert not isinstance(info.value, DistributedTimeout)
-    assert "rank 0: then raised" in str(info.value) and "names you defined are kept" in str(info.value)
+    assert ("rank 0: was waiting in all_reduce()" in str(info.value) or "rank 0: was running" in str(info.value)) \
+        and "names you defined are kept" in str(info.value), str(info.value)
     assert c.pull("kept") == [0, 1, 2]
 
 

@@ -1,6 +1,8 @@
 """The %%ddp engine: a persistent pool of torch.distributed ranks driven from a notebook.
 
-``launcher`` (``Cluster``, ``launch``, ``spawn``), ``_worker`` (one rank), ``_wire`` (framing on the
-pipes), ``magic`` (``%%ddp``), ``progress``, ``env`` (``check_environment``), ``export`` (``%ddp export``).
+``launcher`` (``Cluster``), ``oneshot`` (``launch``, ``spawn``), ``ranks`` (the ranks' processes and pipes),
+``_forkstart`` (the fork servers), ``_worker`` (one rank), ``_wire`` (framing on the pipes), ``reports`` (the error
+reports), ``magic`` (``%%ddp``), ``progress``, ``env`` (the machine, ``check_environment``), ``export``
+(``%ddp export``).
 The public names are re-exported by ``course_utils``.
 """

@@ -1,4 +1,4 @@
-"""Ranks forked from the course's own fork server, which has torch imported already (issues 16 and 41).
+"""Ranks forked from the course's own fork server, which has torch imported already.
 
 The server is a fresh interpreter, started once per notebook kernel (at ``%load_ext course_utils``), that imports
 torch, torch.distributed and the engine's worker module, and never initialises CUDA or runs parallel work. A rank
@@ -11,7 +11,7 @@ the reply the new pid. Nothing is unpickled. Each server reaps its own children 
 writes each rank's exit code on the pipe the notebook sent with its request, so a death and its code reach the
 notebook whatever the other server is doing; a rank's death shows first as EOF on its result pipe (launcher.py).
 
-Two servers (issue 41). A, started first, serves at once with torch imported. Once a cluster has started, A forks
+Two servers. A, started first, serves at once with torch imported. Once a cluster has started, A forks
 B (asked over A's socketpair; B gets its own), which imports what ranks would otherwise import at their first
 optimizer or DDP (``LATER``: torch._dynamo) while A goes on forking and reaping; from the moment B says it is ready,
 new ranks are forked from B. Neither ever imports while it serves. Each ends when the notebook closes its socket
@@ -38,11 +38,9 @@ import time
 # it, and its gloo threads, alive after destroy_process_group() (see scripts/train_micro_ddp.py's setup()).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn",
            "cloudpickle", "course_utils.engine._wire", "course_utils.engine._worker"]
-# Imported by the second server (B), never by the first (A): B is forked from A once a cluster has started, imports
-# these while A goes on forking and reaping, and serves every rank asked for once it says it is ready. A rank forked
-# from B has them for free (each rank's first optimizer or DDP would pay for them); one forked from A imports them
-# when its code first needs them (issue 41: while a server imported, it neither forked nor reaped: a dead rank's exit
-# code came 5-7 s late, a new cluster waited seconds).
+# Imported by the second server (B), never by the first (A), which never imports while it serves (a server that
+# imports neither forks nor reaps). A rank forked from B has them for free; one forked from A imports them when its
+# code first needs them.
 LATER = ["torch._dynamo"]
 # Environment variables that torch._dynamo (and what it imports) reads when it is imported: a rank whose
 # environment differs from B's in one of them is forked from A, so that it reads its own when it imports them.
@@ -481,6 +479,7 @@ class ForkedProcess:
         self._status = status_r  # the server writes the exit code here once it has reaped the rank
         self.pid = reply["pid"]
         self.returncode = None
+        self.server_gone = False  # its server ended without reporting its exit code (it was stopped or killed)
         # /proc/PID/stat held open: a pread answers "alive?" in microseconds (an open/read/close is 8x that, and
         # the check runs per rank before every call), and the fd stays bound to this process, never to a later
         # one that reuses the pid (once the rank is reaped, a read fails with ESRCH).
@@ -509,7 +508,8 @@ class ForkedProcess:
 
     def _reported(self):
         """The exit code its server wrote, or None while there is none. A server that ended without writing one
-        (killed) gives 255, as multiprocessing's own fork server client does."""
+        (killed) gives 255, as multiprocessing's own fork server client does, and sets ``server_gone``: the code
+        is unknown, and the report says so rather than name 255."""
         if self._status is None:
             return None
         try:
@@ -518,7 +518,10 @@ class ForkedProcess:
             return None
         except OSError:
             data = b""
-        return _CODE.unpack(data)[0] if len(data) == _CODE.size else 255
+        if len(data) == _CODE.size:
+            return _CODE.unpack(data)[0]
+        self.server_gone = True
+        return 255
 
     def poll(self):
         """The exit code, or None while the rank lives. Called before every call (Cluster.alive): where /proc
@@ -528,8 +531,9 @@ class ForkedProcess:
             if fields and fields[0] not in ("Z", "X"):
                 return None  # running or asleep: alive
             code = zombie_exit_code(self.pid) if fields else None  # dead, not reaped yet: the kernel keeps it
+            reported = self._reported()  # read either way: it also tells whether the server ended first
             if code is None:
-                code = self._reported()
+                code = reported
             if code is not None:
                 self.returncode = code
                 self._close()

@@ -25,6 +25,7 @@ import weakref
 from course_utils.engine import _wire
 
 _CHANNEL = None  # set in main(); course_utils.engine.progress uses it to report from a worker
+_SERVER_TORCH_LOGS = os.environ.get("TORCH_LOGS")  # what import torch parsed, in the fork server (or this rank)
 _WORKER = None  # this rank's Worker, once main() runs
 _HERE = os.path.abspath(__file__)
 _ENGINE_DIR = os.path.dirname(_HERE) + os.sep  # the engine's own frames are not shown to the learner
@@ -179,7 +180,7 @@ def _error_info(exc):
         "traceback": "Traceback (most recent call last):\n" + tb if frames else tb,
         "where": _where(frames),
         "time": time.time(),
-        "verdict": len(cut) < len(raw),  # a checker's verdict: every rank may say the same (reports.rank_error)
+        "verdict": len(cut) < len(raw),  # a checker's verdict: every rank may say the same (reports.failure_error)
     }
 
 
@@ -296,8 +297,7 @@ def free_destroyed_groups():
 
     A group destroyed during one command is freed two commands later at the earliest: its works ended
     long before, the rank's threads waited for the notebook in between (gloo's workers got the GIL), and
-    a callback of a failed cell that still held it has run. Without this, each new_group/destroy pair and
-    each recovery kept 4-5 fds, 3 threads and a listening socket until the rank ended (issue 30)."""
+    a callback of a failed cell that still held it has run. Each group holds fds, threads and a socket."""
     import gc
 
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
@@ -306,7 +306,7 @@ def free_destroyed_groups():
         return
     live = {id(pg) for pg in list(world.pg_map)}
     if all(id(pg) in live for pg in _GROUPS):
-        _DESTROYED.clear()  # nothing was destroyed: no work, however much the ranks hold (issue 41)
+        _DESTROYED.clear()  # nothing was destroyed: no work, however much the ranks hold
         return
     # cycles that hold a group (a failed cell's frames, a model the learner dropped) go first: one full collection
     # per destroyed group at most, and only when something besides _GROUPS still holds it (the list's slot, the
@@ -497,9 +497,8 @@ class Worker:
         def destroy_process_group(group=None):
             if group is not None and group is not dist.GroupMember.WORLD:
                 worker.original["destroy"](group)
-                # groups destroyed by earlier calls are freed here too, not only between cells: 300 new_group/
-                # destroy pairs in one cell ran out of fds (issue 41). This one waits for the next call or cell;
-                # sleep(0) first lets gloo's threads take the GIL and end what they were finishing.
+                # groups destroyed by earlier calls are freed here too (a cell may make hundreds), this one at the
+                # next call; sleep(0) first lets gloo's threads take the GIL and end what they were finishing.
                 if threading.current_thread() is threading.main_thread():
                     time.sleep(0)
                     free_destroyed_groups()
@@ -593,6 +592,7 @@ class Worker:
                 msg = _wire.recv(self.cmd_fd)
             except (EOFError, OSError):
                 self.end_without_the_notebook()
+                return  # nothing more comes: never the previous command again
             kind = msg[0]
             if kind == "stacks":
                 frame = sys._current_frames().get(main_id)
@@ -619,8 +619,7 @@ class Worker:
     def end_without_the_notebook(self):
         """The notebook is gone (its kernel exited or was killed): end as a script does, never linger. An idle rank
         ends on its main thread, as after %ddp shutdown; one still running a cell gets 1 s, then the exit work
-        (atexit handlers, open files flushed) runs here and the rank exits. os._exit at once lost what an
-        unclosed file held (issue 41)."""
+        (atexit handlers, open files flushed) runs here and the rank exits: an unclosed file keeps its text."""
         with self.ending_lock:  # once, whichever thread sees the notebook gone first (EOF, the watchdog)
             if self.ending:
                 return
@@ -702,13 +701,14 @@ class Worker:
             ok, value = False, _error_info(exc)
             if isinstance(exc, KeyboardInterrupt) and _stopped_in_import(exc):
                 self.poisoned = "stopped in the middle of an import"
-            self.busy = False
-            if self.manage_group:
-                self.destroy_process_group()  # releases the ranks waiting for us in a collective
-            else:
-                self.cut_peer_connections()
         self.busy = False
-        self.finish(run_id, ok, value)
+        self.finish(run_id, ok, value)  # an error reaches the notebook before the errors it causes on the peers
+        if ok:
+            return
+        if self.manage_group:
+            self.destroy_process_group()  # releases the ranks waiting for us in a collective
+        else:
+            self.cut_peer_connections()
 
     def learner(self, fn, *args, **kwargs):
         """Run the learner's code: the only place where a SIGINT from the notebook interrupts."""
@@ -757,6 +757,8 @@ class Worker:
         release_collective_waits(self)
         send_cell_code_by_value(self.main_module)
         dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG set after the server started
+        if os.environ.get("TORCH_LOGS") != _SERVER_TORCH_LOGS:  # import torch parsed the server's value
+            torch._logging._init_logs()
         torch.seed()  # a seed from the OS, as a fresh interpreter draws one
         numpy = sys.modules.get("numpy")
         if numpy is not None:
@@ -806,12 +808,24 @@ class Worker:
             self.execute(msg)
 
 
+def rank_status():
+    """This rank's device (the one the engine predefines) and, once CUDA is in use, the memory torch's allocator
+    holds on it now and at its peak, in bytes (None, None on CPU): one line of %ddp status."""
+    import torch
+
+    device = _WORKER.ns.get("device") if _WORKER is not None else None
+    if not isinstance(device, torch.device):  # the learner rebound the name: the engine's own choice
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if _WORKER.backend == "nccl" else \
+            torch.device("cpu")
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return str(device), None, None
+    return str(device), torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+
 def _skip_libraries_finalizers():
-    """The weakref.finalize callbacks that exist before the learner's first cell (torch's import made 134: each
-    torch.library.Library's _del_library, which calls torch._C reset functions) need not run at the rank's end:
-    the process ends with os._exit, so nothing they free outlives it. Run at exit they cost 78-85 ms of CPU per
-    rank at every restart and shutdown (issue 41). Those the learner's cells make (a TemporaryDirectory's
-    cleanup) still run, as at a script's end."""
+    """The weakref.finalize callbacks that exist before the learner's first cell (torch's libraries') need not run
+    at the rank's end: the process ends with os._exit, so nothing they free outlives it, and they cost CPU at every
+    restart and shutdown. Those the learner's cells make (a TemporaryDirectory's cleanup) still run."""
     import weakref
 
     for finalizer in list(getattr(weakref.finalize, "_registry", ())):
@@ -830,8 +844,7 @@ def _end_like_a_script():
         atexit._run_exitfuncs()  # prints a failing handler's traceback and goes on, as at a script's end
     except BaseException:
         traceback.print_exc()
-    # the C base classes, not io.IOBase: its ABC check over every object cost 32-36 ms a rank (issue 41); every
-    # file object, io's pure-Python classes included, derives from them
+    # the C base classes (io.IOBase's ABC check over every object is slow): every file object derives from them
     files = [f for f in gc.get_objects() if isinstance(f, _io._IOBase)]
     for f in sorted(files, key=lambda f: not isinstance(f, _io._TextIOBase)):  # text first: into its buffer
         try:
@@ -859,8 +872,9 @@ def run_rank():
     os._exit(code)
 
 
-if __name__ == "__main__":
+def fresh_main():
+    """A rank as a fresh interpreter: ``python -c "from course_utils.engine import _worker; _worker.fresh_main()"``.
+    Imported, never run as ``__main__``: the cells' code alone is ``__main__`` and goes by value to a child."""
     faulthandler.enable()  # a segfault prints the Python stack, which the notebook relays
     _die_with_parent(int(os.environ["COURSE_UTILS_PARENT_PID"]))
-    sys.modules.setdefault("course_utils.engine._worker", sys.modules["__main__"])
     run_rank()

@@ -1,11 +1,16 @@
-"""The environment check at the top of 00_launcher_tour: what the course needs, and what it found.
+"""What this machine offers the engine (its GPUs, its cores, the backend a cluster gets) and the environment check
+at the top of 00_launcher_tour: what the course needs, and what it found.
 
 The [OK]/[FAIL] lines name requirements only, so they read the same on every machine that meets them;
 what differs between machines (versions, GPUs, the backend %%ddp picks) is on lines that start with
 "This machine:" (sanitised by tests/sanitize.cfg)."""
 import importlib
+import os
 import platform
+import subprocess
 import sys
+
+BACKENDS = ("auto", "gloo", "nccl")
 
 REQUIRED = [  # (import name, why the course needs it)
     ("torch", "tensors, autograd and torch.distributed"),
@@ -17,6 +22,45 @@ REQUIRED = [  # (import name, why the course needs it)
 ]
 
 
+def _gpu_count():
+    """Visible CUDA devices, without initialising CUDA in this process."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch
+    if not torch.version.cuda:
+        return 0
+    n = torch.cuda._device_count_nvml()
+    if n >= 0:
+        return n
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                         capture_output=True, text=True)
+    return int(out.stdout.strip() or 0)
+
+
+def choose_backend(backend="auto", world_size=2):
+    """'nccl' when every rank can have its own GPU, else 'gloo'. Raises ValueError on bad input."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}. "
+                         "Use world_size=2 for a first try.")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}. "
+                         "'auto' picks nccl when there is a GPU per rank, else gloo.")
+    if backend == "gloo":
+        return "gloo"
+    gpus = _gpu_count()
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+                         f"{gpus} GPU(s) are visible. Use backend='gloo' (CPU) or a smaller world_size.")
+    return "nccl" if gpus >= world_size else "gloo"
+
+
+def _cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def _is_torch_2_13(version):
     """True for 2.13 in any patch release and build ("2.13.0", "2.13.1+cpu"), not for "2.1.3" or "2.130"."""
     return version.split("+")[0].split(".")[:2] == ["2", "13"]
@@ -26,8 +70,6 @@ def check_environment(world_sizes=(1, 2, 4)):
     """Print [OK]/[FAIL] per requirement, the devices, and the backend %%ddp would choose.
 
     Introduced in 00_launcher_tour. Returns True when everything the course needs is there."""
-    from course_utils.engine.launcher import _gpu_count, choose_backend
-
     ok = True
 
     def report(good, text):

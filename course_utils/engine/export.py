@@ -9,12 +9,15 @@ interpreter ends (a DDP model left in a global kept its gloo group alive into fi
 aborted 2 runs in 15). Each rank prints what the cells printed on it, and each cell's last value as
 ``[rank N] value`` lines, as the notebook showed them. As on a ``%%ddp`` rank, a cell's own
 ``init_process_group`` (code written for torchrun) finds the group set up and does nothing, and its
-``destroy_process_group()`` keeps the group for the cells after it.
+``destroy_process_group()`` keeps the group for the cells after it. Everything but the imports and the cells'
+functions and classes runs under ``if __name__ == "__main__":``, so that a spawn or forkserver child of a cell (a
+``Pool``, a ``DataLoader``'s workers) imports the script without starting a second process group.
 """
 import ast
 import base64
+import io
 import re
-import textwrap
+import tokenize
 from pathlib import Path
 
 PREAMBLE = '''\
@@ -43,13 +46,16 @@ BACKEND = {backend!r}  # what the cells ran with in the notebook; "auto": NCCL w
 if BACKEND == "nccl" or (BACKEND == "auto" and torch.cuda.is_available()
                          and torch.cuda.device_count() >= local_world_size):
     device = torch.device("cuda", local_rank)  # one GPU per process on this node (the engine's cuda:rank on one node)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl")
 else:
     device = torch.device("cpu")
-    dist.init_process_group("gloo")
-_BACKEND = dist.get_backend()
+_BACKEND = "nccl" if device.type == "cuda" else "gloo"
 _torch_init, _torch_destroy = dist.init_process_group, dist.destroy_process_group
+# A multiprocessing child in the spawn or forkserver context imports this file again (as __mp_main__): there only
+# the imports and the cells' definitions run, never the group's start or the cells' statements.
+if __name__ == "__main__":
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(_BACKEND)
 
 
 def _init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, *args, **kwargs):
@@ -116,14 +122,16 @@ EPILOGUE = '''
 # The end: every rank is done with the group before any rank destroys it. The cells' names go first: a DDP
 # model (its Reducer) or an optimizer left in a global kept the group and gloo's threads alive into the
 # interpreter's shutdown, which then aborted ("terminate called without an active exception").
-dist.barrier()
-for _name in [_name for _name in globals() if _name not in _SCRIPT_NAMES]:
-    del globals()[_name]
-import gc  # noqa: E402
+if __name__ == "__main__":
+    dist.barrier()
+    for _name in [_name for _name in globals() if _name not in _SCRIPT_NAMES]:
+        del globals()[_name]
+    import gc
 
-gc.collect()
-_torch_destroy()
+    gc.collect()
+    _torch_destroy()
 '''
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)
 
 
 def _show_last_value(source):
@@ -147,13 +155,56 @@ def _rank_option(options):
     return int(m.group(1)) if m else None
 
 
+def _indent(code):
+    """``code`` indented one level, except the lines inside a multi-line string (their text stays as it was)."""
+    inside = set()
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
+                inside.update(range(tok.start[0] + 1, tok.end[0] + 1))
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return "".join(line if i in inside or not line.strip() else "    " + line
+                   for i, line in enumerate(code.splitlines(keepends=True), 1))
+
+
+def _pieces(source):
+    """The cell as [(is a definition, code)] in order: imports, functions and classes (which a spawn child of the
+    script needs) apart from the statements. One piece, a statement, when the cell does not parse or shares a line
+    between two statements."""
+    try:
+        nodes = ast.parse(source).body
+    except SyntaxError:
+        return [(False, source)]
+    lines = source.splitlines(keepends=True)
+    pieces, start = [], 0
+    for i, node in enumerate(nodes):
+        end = len(lines) if i == len(nodes) - 1 else node.end_lineno
+        if i + 1 < len(nodes) and nodes[i + 1].lineno <= node.end_lineno:
+            return [(False, source)]
+        kind = isinstance(node, DEFINITIONS)
+        code = "".join(lines[start:end])
+        if pieces and pieces[-1][0] == kind:
+            pieces[-1] = (kind, pieces[-1][1] + code)
+        else:
+            pieces.append((kind, code))
+        start = end
+    return pieces or [(False, source)]
+
+
 def cell_to_code(options, source):
-    """One ``%%ddp`` cell as script code, under a comment with its options."""
-    body = _show_last_value(source).rstrip()
+    """One ``%%ddp`` cell as script code, under a comment with its options: its definitions at the top level, its
+    statements under ``if __name__ == "__main__":`` (inside ``with _only_rank(R):`` for ``--rank R``)."""
     shown = _rank_option(options)
-    if shown is not None:
-        body = f"with _only_rank({shown}):\n" + textwrap.indent(body, "    ")
-    return f"\n# %%ddp {options}".rstrip() + "\n" + body + "\n"
+    parts = []
+    for definition, code in _pieces(_show_last_value(source)):
+        code = code.rstrip() + "\n"
+        if not definition:
+            if shown is not None:
+                code = f"with _only_rank({shown}):\n" + _indent(code)
+            code = 'if __name__ == "__main__":\n' + _indent(code)
+        parts.append(code)
+    return f"\n# %%ddp {options}".rstrip() + "\n" + "".join(parts)
 
 
 def push_to_code(name, blob):

@@ -8,14 +8,12 @@ costs a pipe round trip, not a process start.
 The notebook talks to its ranks over private pipes (and to the fork servers over socketpairs); the only
 listening sockets are torch's own rendezvous store and the backend's connections, all on 127.0.0.1.
 """
-import _signal
 import contextlib
 import itertools
 import math
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,77 +21,21 @@ import time
 import weakref
 
 from course_utils.engine import _forkstart, _wire
-from course_utils.engine.reports import (  # noqa: F401  (DistributedTimeout: public, re-exported)
-    DistributedError, DistributedTimeout, dead_error, hide_cpp_frames, interrupt_error, plural, rank_error,
-    timeout_error)
+from course_utils.engine.env import BACKENDS, _cpu_count, _gpu_count, choose_backend  # noqa: F401  (re-exported)
+from course_utils.engine.ranks import (  # noqa: F401  (_Rank, _kill, _loopback_interface: for the tests)
+    DONE_DRAIN_S, LIVE_LINES, _exit_of, _kill, _loopback_interface, _Rank, _shutdown, _sigint_held, _spawn, read_fd)
+from course_utils.engine.reports import (  # noqa: F401  (CellSyntaxError, DistributedTimeout: public, re-exported)
+    CellSyntaxError, DistributedError, DistributedTimeout, failure_error, hide_cpp_frames,
+    interrupt_error, plural, timeout_error, undecodable_info)
 
-BACKENDS = ("auto", "gloo", "nccl")
-ERROR_GRACE_S = 2.0    # after one rank fails, how long the others get to finish on their own; longer while one of
-ERROR_GRACE_MAX_S = 10.0  # them is still running (its error on its way, on a loaded machine), at most this long
-RELEASE_S = 5.0        # how long an abort may take before the ranks are replaced
-REABORT_S = 0.5        # while it waits, a rank still busy is sent the abort again this often
-DEAD_TOGETHER_S = 2.0  # after a rank dies, how long the report waits at most for others that die with it;
-BLOCKED_SAMPLES = 2    # it stops sooner once every live rank is seen blocked this many times in a row (_blocked)
-EXIT_CODE_S = 10.0     # at most this long for a dead rank's exit code: a forked rank's comes from /proc at once
-                       # (_forkstart.zombie_exit_code), else from its server once it has reaped it (macOS)
+RELEASE_S = 5.0        # how long releasing the ranks may take before they are replaced
+STACKS_S = 2.0         # how long the ranks' control threads get to say where each rank is
+FAILED_END_S = 0.3     # how long the ranks of a failed call get to end as a script does before they are killed
+EXIT_CODE_S = 0.5      # how long a dead rank's exit code may take to arrive (its pipe closed as it exited)
 START_TIMEOUT_S = 120  # importing torch on many ranks sharing two cores is slow
 PG_TIMEOUT_MIN_S = 1800  # the backend's own timeout stays far above any cell's: the engine decides when a cell hung
 POLL_S = 0.1           # how often the loop asks the OS whether a rank exited
 DRAIN_S = 2.0          # how long the output of a dead rank is still read (a child it forked may hold the pipe)
-DONE_DRAIN_S = 1.0     # how long the pipes of a rank that said "done" are read (a background thread may never stop)
-
-
-class CellSyntaxError(ValueError):
-    """The code sent to the ranks does not parse; nothing ran. Shows just the offending line."""
-
-    def __init__(self, error):
-        import traceback
-
-        self.error = error
-        self.lines = traceback.format_exception_only(type(error), error)
-        super().__init__("".join(self.lines).rstrip() + "\n(nothing ran on the ranks: fix the line above)")
-
-    def _render_traceback_(self):
-        return "".join(self.lines).rstrip().splitlines() + ["(nothing ran on the ranks: fix the line above)"]
-
-
-def _gpu_count():
-    """Visible CUDA devices, without initialising CUDA in this process."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch
-    if not torch.version.cuda:
-        return 0
-    n = torch.cuda._device_count_nvml()
-    if n >= 0:
-        return n
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                         capture_output=True, text=True)
-    return int(out.stdout.strip() or 0)
-
-
-def choose_backend(backend="auto", world_size=2):
-    """'nccl' when every rank can have its own GPU, else 'gloo'. Raises ValueError on bad input."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}. "
-                         "Use world_size=2 for a first try.")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}. "
-                         "'auto' picks nccl when there is a GPU per rank, else gloo.")
-    if backend == "gloo":
-        return "gloo"
-    gpus = _gpu_count()
-    if backend == "nccl" and gpus < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
-                         f"{gpus} GPU(s) are visible. Use backend='gloo' (CPU) or a smaller world_size.")
-    return "nccl" if gpus >= world_size else "gloo"
-
-
-def _cpu_count():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _under_nbval():
@@ -105,242 +47,8 @@ def _under_nbval():
 CALL_VIEW = None
 
 
-class _Rank:
-    """The notebook's end of one worker: its process, its command and result pipes, and the pipes
-    that carry its stdout and stderr (fd level, so C and C++ output arrives too)."""
-
-    def __init__(self, rank, proc, cmd_w, res_r, out_r, err_r):
-        self.rank, self.proc = rank, proc
-        self.cmd_w, self.res_r = cmd_w, res_r
-        self.streams = {out_r: "stdout", err_r: "stderr"}
-        self.frames = _wire.FrameReader()
-        self.partial = {"stdout": b"", "stderr": b""}
-        self.lines = {"stdout": [], "stderr": []}
-        self.closed = set()  # stream fds at EOF (the rank closed or redirected its fd 1 or 2): never polled again
-        self.last_line = ""
-        self.progress = None
-        self.dead = False
-
-    def fds(self):
-        return [self.res_r, *(fd for fd in self.streams if fd not in self.closed)]
-
-    def send(self, msg):
-        _wire.write_all(self.cmd_w, _wire.dump(msg))
-
-    def feed_stream(self, name, data):
-        *whole, rest = (self.partial[name] + data).split(b"\n")
-        for line in whole:
-            self._add_line(name, line)
-        self.partial[name] = rest
-
-    def read_stream(self, fd):
-        """Read what is in one stream pipe now; False when nothing was (empty, or at EOF: the rank closed or
-        redirected the fd, as os.dup2(devnull, 1) does, and it is never polled again: POLLHUP would spin)."""
-        try:
-            data = os.read(fd, 1 << 20)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            data = b""
-        if not data:
-            self.closed.add(fd)
-            return False
-        self.feed_stream(self.streams[fd], data)
-        return True
-
-    def drain_streams(self, seconds=DONE_DRAIN_S, quiet=0.0):
-        """Read the stream pipes until they are empty, for at most ``seconds`` (a background thread of the
-        rank may print without end). Called once the rank said it is done: whatever it wrote before that
-        (it flushes first) is in the pipes now, so no end mark is needed. For a rank that died, ``quiet``: go
-        on reading until a pipe is at EOF or has been silent that long (a child it started may still write)."""
-        deadline = time.monotonic() + seconds
-        for fd in self.streams:
-            while fd not in self.closed and time.monotonic() < deadline:
-                if self.read_stream(fd):
-                    continue
-                if not quiet or fd in self.closed or not _forkstart._readable(
-                        [fd], min(quiet, deadline - time.monotonic())):
-                    break
-
-    def _add_line(self, name, raw):
-        text = raw.decode("utf-8", "replace").rstrip("\r").split("\r")[-1]
-        self.lines[name].append(text)
-        self.last_line = text
-
-    def flush_partial(self):
-        for name, rest in self.partial.items():
-            if rest:
-                self._add_line(name, rest)
-                self.partial[name] = b""
-
-    def take_lines(self):
-        out = self.lines
-        self.lines = {"stdout": [], "stderr": []}
-        return out
-
-    def close(self):
-        for fd in (self.cmd_w, *self.fds()):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _loopback_interface(platform, env):
-    """The interface gloo binds the ranks to: Linux's loopback is ``lo``; macOS and the BSDs call it
-    ``lo0`` (a GLOO_SOCKET_IFNAME the learner set is kept there)."""
-    return "lo" if platform.startswith("linux") else env.get("GLOO_SOCKET_IFNAME", "lo0")
-
-
-def _spawn(world_size, backend, pg_timeout, group=True):
-    """Start the ranks: forked from the fork server (or fresh interpreters), rendezvous on a socket
-    bound before anyone uses it.
-
-    With ``group=False`` (``spawn``) the ranks get no process group: the learner's function sets it
-    up from MASTER_ADDR and MASTER_PORT, a loopback port that was free a moment ago."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))  # loopback only, and the port is ours from this moment
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    threads = max(1, _cpu_count() // world_size)
-    ranks = []
-    try:
-        for r in range(world_size):
-            with _sigint_held():  # a stop while a rank starts (Popen waits for its exec) is raised once it is in ranks
-                cmd_r, cmd_w = os.pipe()
-                res_r, res_w = os.pipe()
-                out_r, out_w = os.pipe()
-                err_r, err_w = os.pipe()
-                env = dict(os.environ)
-                env.update(
-                    RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
-                    LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-                    GLOO_SOCKET_IFNAME=_loopback_interface(sys.platform, env),
-                    NCCL_SOCKET_IFNAME="lo",
-                    COURSE_UTILS_BACKEND=backend, COURSE_UTILS_PG_TIMEOUT=str(pg_timeout),
-                    COURSE_UTILS_CMD_FD=str(cmd_r), COURSE_UTILS_RES_FD=str(res_w),
-                    COURSE_UTILS_PARENT_PID=str(os.getpid()), COURSE_UTILS_GROUP="1" if group else "0",
-                )
-                env.pop("PYTEST_CURRENT_TEST", None)
-                env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH")] if p)
-                env["COURSE_UTILS_CWD"] = os.getcwd()
-                pass_fds = [cmd_r, res_w]
-                if r == 0 and group:
-                    env["COURSE_UTILS_LISTEN_FD"] = str(listener.fileno())
-                    pass_fds.append(listener.fileno())
-                try:
-                    fds = {"stdout": out_w, "stderr": err_w, "cmd": cmd_r, "res": res_w}
-                    if r == 0 and group:
-                        fds["listen"] = listener.fileno()
-                    proc = _forkstart.start_rank(env, fds, threads)  # a fraction of a second; None: no server
-                    if proc is None:
-                        proc = subprocess.Popen(
-                            [sys.executable, "-m", "course_utils.engine._worker"], env=env, pass_fds=pass_fds,
-                            stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, start_new_session=True)
-                except BaseException:  # not started (or a stop while the server forks it: its pipes end it)
-                    for fd in (cmd_w, res_r, out_r, err_r):
-                        os.close(fd)
-                    raise
-                finally:
-                    for fd in (cmd_r, res_w, out_w, err_w):
-                        os.close(fd)
-                for fd in (res_r, out_r, err_r):
-                    os.set_blocking(fd, False)
-                rk = _Rank(r, proc, cmd_w, res_r, out_r, err_r)
-                ranks.append(rk)
-    except BaseException:
-        _kill(ranks)
-        raise
-    finally:
-        listener.close()
-    return ranks
-
-
-def _kill_group(proc):
-    """SIGKILL a rank's process group (the rank leads it: what it started goes too), never another process.
-
-    Once a rank has ended and been reaped (by this process's poll(), or at once by the fork server), its
-    pid is free for reuse, unless processes of its group (children it started) still hold it as their
-    group id. So the group is signalled while the rank has not been seen to end; afterwards only if no
-    process has that pid (it was not reused) and the group still has members (the rank's leftovers)."""
-    pid = proc.pid
-    if proc.poll() is not None:
-        try:
-            os.kill(pid, 0)
-            return  # a process has this pid again: not ours
-        except ProcessLookupError:
-            pass
-        except OSError:
-            return  # it exists (another user's): not ours
-        try:
-            os.killpg(pid, 0)
-        except OSError:
-            return  # no process is left in the group: nothing to do
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (OSError, AttributeError):
-        if proc.poll() is None:
-            try:
-                proc.kill()
-            except OSError:
-                pass
-
-
-def _kill(ranks):
-    """Kill the ranks and whatever they started (each rank leads its own process group)."""
-    for rk in ranks:
-        _kill_group(rk.proc)
-    for rk in ranks:
-        try:
-            rk.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        rk.close()
-
-
-def _shutdown(ranks, wait_s=2.0):
-    """Ask every rank to end as a script does (its atexit handlers, its open files flushed), wait up to
-    ``wait_s``, then kill what is left. Also what a Cluster's finalizer does when the notebook's kernel exits
-    (1 s): a kill there lost what a rank had not yet written to an unclosed file (issue 41)."""
-    for rk in ranks:
-        try:
-            rk.send(("shutdown",))
-        except OSError:
-            pass
-    deadline = time.monotonic() + wait_s
-    for rk in ranks:
-        try:
-            rk.proc.wait(timeout=max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    _kill(ranks)
-
-
 _SERIALS = itertools.count(1)
 _LIVE = weakref.WeakSet()  # every Cluster of this process that has ranks, for shutdown_all()
-
-
-@contextlib.contextmanager
-def _sigint_held():
-    """A stop (SIGINT) during the block is held until the block ends, then handed to the handler it would have
-    reached (the default one raises KeyboardInterrupt): a rank whose process exists is always recorded (and so
-    killed by the caller's cleanup) before the stop acts. On the spawn path a stop that landed while
-    subprocess.Popen waited for the child's exec left a rank that nothing would kill (issue 41). Only on the
-    main thread, where Python delivers signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stopped = []
-    old = _signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
-    old = old if old is not None else signal.default_int_handler
-    try:
-        yield
-    finally:
-        _signal.signal(signal.SIGINT, old)
-    if stopped and callable(old):  # delivered now to whoever was there: the default raises KeyboardInterrupt, a
-        old(signal.SIGINT, None)   # call's deferring handler sets its flag
 
 
 def shutdown_all():
@@ -395,6 +103,7 @@ class Cluster:
         self.pids = []
         self.started_at = None
         self.restarts = 0
+        self._stale_group = False  # the ranks were released from a failed call: rebuild the group before the next
         self._lock = threading.RLock()  # one call at a time: see _exclusive
         self._start()
 
@@ -424,6 +133,7 @@ class Cluster:
     # -- life cycle --------------------------------------------------------------------
     def _start(self):
         self._forget_selector()
+        self._stale_group = False
         self._ranks = _spawn(self.world_size, self.backend, self._pg_timeout, self._group)
         self._generation = 0
         self._finalizer = weakref.finalize(self, _shutdown, list(self._ranks), 1.0)
@@ -446,14 +156,14 @@ class Cluster:
             self._ranks = []
             raise
         if len(ready) < self.world_size:
-            out = {rk.rank: rk.take_lines() for rk in self._ranks}
+            out = {rk.rank: [line for name, line in rk.take_lines() if name == "stderr"] for rk in self._ranks}
             self._forget_selector()
             self._finalizer.detach()
             _kill(self._ranks)
             self._ranks = []
             lines = [f"  rank {r}: {e['type']}: {e['message']}" for r, e in sorted(errors.items())]
-            for r, streams in sorted(out.items()):
-                lines += [f"  [rank {r}] {line}" for line in streams["stderr"][-5:]]
+            for r, stderr in sorted(out.items()):
+                lines += [f"  [rank {r}] {line}" for line in stderr[-5:]]
             raise DistributedError(
                 f"the {self.world_size} ranks did not start ({len(ready)} ready).", "\n".join(lines))
         self.pids = [ready[r]["pid"] for r in range(self.world_size)]
@@ -464,23 +174,28 @@ class Cluster:
         with self._exclusive("restart()"):
             self._replace()
 
-    def _replace(self, start=True):
+    def _replace(self, start=True, failed=False):
+        """New ranks for the old; ``failed``: the old ones failed a call, and those still busy are interrupted
+        and get FAILED_END_S to end as a script does before they are killed."""
         for rk in self._ranks:  # keep what the old ranks printed for this cell's output
             rk.flush_partial()
             self._held.append((rk.rank, rk.take_lines()))
-        self.shutdown()
+            if failed and not rk.dead:
+                with contextlib.suppress(OSError):
+                    os.kill(rk.proc.pid, signal.SIGINT)
+        self.shutdown(FAILED_END_S if failed else 2.0)
         self.restarts += 1
         if start:
             self._start()
 
-    def shutdown(self):
+    def shutdown(self, _wait_s=2.0):
         """Stop every rank. Safe to call twice."""
-        with self._exclusive("shutdown()"):
+        with self._exclusive("shutdown()"), _sigint_held():  # a stop acts once the ranks are gone and forgotten
             _LIVE.discard(self)
             if self._ranks:
                 self._forget_selector()
                 self._finalizer.detach()
-                _shutdown(self._ranks)
+                _shutdown(self._ranks, _wait_s)
                 self._ranks = []
 
     @property
@@ -571,6 +286,14 @@ class Cluster:
             time.sleep(wait)
             return
         poller, owner = sel
+        writing = [rk for rk in self._ranks if rk.outbox and not rk.dead]
+        for rk in writing:  # a rank that reads slowly (or not at all) gets the rest of its commands as it reads
+            try:
+                rk.flush()
+            except OSError:
+                rk.outbox.clear()  # it is gone: its result pipe's EOF says so
+        if any(rk.outbox for rk in writing):
+            wait = min(wait, 0.02)
         try:
             events = poller.poll(wait * 1000)
         except InterruptedError:
@@ -608,18 +331,15 @@ class Cluster:
             if not rk.read_stream(fd) and fd in rk.closed:
                 self._forget_selector()  # registered again without the closed fd
             return
-        try:
-            data = os.read(fd, 1 << 20)
-        except (BlockingIOError, InterruptedError):
+        data = read_fd(fd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._mark_dead(rk)  # the worker's end closed: it exited
             return
         for m in rk.frames.feed(data):
             if isinstance(m, _wire.Undecodable):  # a reply the notebook cannot load is that rank's error
-                m = ("done", self._run_id, rk.rank, False, _undecodable_info(m.error))
+                m = ("done", self._run_id, rk.rank, False, undecodable_info(m.error))
             if m[0] == "progress":
                 rk.progress = m[1:]  # (desc, i, total)
             elif m[0] == "done":  # kept per run, whichever loop happens to read it
@@ -631,7 +351,7 @@ class Cluster:
     def _mark_dead(self, rk):
         if rk.dead:
             return
-        rk.dead = True
+        rk.dead, rk.died_at = True, time.time()
         self._forget_selector()
         rk.drain_streams(DRAIN_S, quiet=0.2)  # what it printed before it died is kept
         rk.flush_partial()
@@ -657,41 +377,14 @@ class Cluster:
             except (BrokenPipeError, OSError):
                 self._mark_dead(rk)
 
-    @contextlib.contextmanager
-    def _sigint_deferred(self):
-        """While a request runs, a stop (SIGINT) only sets a flag that the loop checks: a frame half
-        written to a rank's pipe would break it, and a second stop must not start a nested recovery."""
-        self._interrupted = False
-        if threading.get_ident() != threading.main_thread().ident:
-            yield
-            return
-
-        def flag(signum, frame):
-            self._interrupted = True
-
-        old = _signal.signal(signal.SIGINT, flag)  # _signal: the same call without signal's enum wrapping
-        try:
-            yield
-        finally:
-            _signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+    def _stop_pressed(self):
+        self._interrupted = True
 
     def _request(self, make, timeout, live=None, only_rank=None):
         __tracebackhide__ = True
         timeout = self.timeout if timeout is None else self._check_timeout(timeout)
         with self._exclusive("a call"):
             return self._request_exclusive(make, timeout, live, only_rank)
-
-    def _died_between_calls(self):
-        """A rank that died while no call ran (a background thread's os._exit, the OOM killer) is reported
-        as a death during a call is: its exit code and last output; the ranks are replaced, the call not run."""
-        dead = [rk for rk in self._ranks if rk.proc.poll() is not None]
-        for rk in dead:
-            self._mark_dead(rk)  # reads what it printed last
-        codes = {rk.rank: rk.proc.returncode for rk in dead}
-        self._show(None)
-        self._replace(start=self._group)
-        return dead_error(codes, "It died between calls: this call did not run. The ranks were replaced with "
-                                 "fresh ones; names you defined on them are gone.")
 
     def _printing(self):
         """The live ranks with something in a stream pipe now: one poll over every pipe, rather than reading
@@ -705,36 +398,28 @@ class Cluster:
     def _late_output(self):
         """What a rank printed after its last call had finished (a background thread, a child process):
         shown now, under a note, rather than as the output of the call that starts."""
-        printing = self._printing()
-        for rk in self._ranks:
-            if rk.rank in printing:
-                rk.drain_streams(0.2)
-            rk.flush_partial()
-            lines = rk.take_lines()
-            for name in ("stdout", "stderr"):
-                if lines[name]:
-                    stream = getattr(sys, name)
-                    stream.write(f"note: rank {rk.rank} printed this after its previous call had finished "
-                                 "(a background thread or a child process):\n")
-                    stream.write("".join(f"[rank {rk.rank}] {line}\n" for line in hide_cpp_frames(lines[name])))
-                    stream.flush()
+        self._show(None, late=True)
 
     def _request_exclusive(self, make, timeout, live, only_rank):
         __tracebackhide__ = True
         if not self._ranks:
             self._start()
         elif not self.alive:
-            raise self._died_between_calls()
+            raise self._failure(None, None)  # a rank died between calls: this call does not run
         else:
             self._late_output()
-        with self._sigint_deferred():
-            if self._group and self._pg_timeout < self._pg_timeout_for(timeout):  # a long --timeout: the
-                if not self._rebuild_group(self._pg_timeout_for(timeout)):    # backend must not give up first
+        self._interrupted = False
+        with _sigint_held(self._stop_pressed):
+            # the group released after a failure is rebuilt now, and for a long --timeout (the backend must not give
+            # up first) with that timeout
+            if self._group and (self._stale_group or self._pg_timeout < self._pg_timeout_for(timeout)):
+                if not self._rebuild_group(max(self._pg_timeout, self._pg_timeout_for(timeout))):
                     self._replace(start=True)  # a rank could not join the new group: fresh ranks, said so
-                    print("note: the ranks could not rebuild their process group for the longer --timeout and "
-                          "were replaced; names you defined on them are gone.", file=sys.stderr)
+                    print("note: the ranks could not rebuild their process group and were replaced; names you "
+                          "defined on them are gone.", file=sys.stderr)
             for rk in self._ranks:  # the live status shows this cell's lines only
-                rk.progress, rk.last_line = None, ""
+                rk.progress = None
+                rk.recent.clear()
             self._run_id += 1
             run_id = self._run_id
             self._done = {run_id: {}}
@@ -742,46 +427,30 @@ class Cluster:
             self._live = live
             try:
                 self._send_all(make)
-                if self._interrupted:
-                    raise KeyboardInterrupt
                 t0 = time.monotonic()
-                deadline, first_error, ranks, waiting = t0 + timeout, None, self._ranks, 0
+                deadline, ranks = t0 + timeout, self._ranks
                 while True:  # the hot loop of every cell: written out, not through _pump_until
-                    if first_error is None and len(results) and not all(ok for ok, _ in results.values()):
-                        first_error = time.monotonic()
-                    pending = [rk for rk in ranks if rk.rank not in results]
-                    if not pending or any(rk.dead for rk in pending):
+                    if not all(ok for ok, _ in results.values()) or any(
+                            rk.dead and rk.rank not in results for rk in ranks):
+                        raise self._failure(run_id, only_rank)  # the first failure wins: no waiting for others
+                    if len(results) == len(ranks):
                         break
                     now = time.monotonic()
-                    if first_error is not None and now - first_error > ERROR_GRACE_S:
-                        # the report says which ranks raised after the first and which were still running: those
-                        # left are asleep (waiting), seen twice in a row, not on their way to an error of their own
-                        # (under load one took over 2 s: lesson 00's report named it "was running" once in CI)
-                        # (no /proc to tell: the grace is ERROR_GRACE_S, as before)
-                        waiting = waiting + 1 if all(_blocked(rk.proc.pid, unknown=True) for rk in pending) else 0
-                        if waiting >= BLOCKED_SAMPLES or now - first_error > ERROR_GRACE_MAX_S:
-                            break
                     if now >= deadline:
-                        raise self._report("timeout", run_id, only_rank, timeout=timeout)
+                        raise self._timeout(run_id, only_rank, timeout)
                     if self._interrupted:
                         raise KeyboardInterrupt
                     self._pump(min(0.05, deadline - now))
                     if live is not None:
                         live.update(ranks, time.monotonic() - t0)
-                dead = [rk for rk in self._ranks if rk.dead and rk.rank not in results]
-                if dead:
-                    raise self._report("dead", run_id, only_rank, dead=dead)
             except KeyboardInterrupt:
                 snapshot = dict(self._done.get(run_id, {}))
-                running = [rk for rk in self._ranks if rk.rank not in snapshot and not rk.dead]
-                stacks = self._stacks(running) if running else {}
+                stacks = self._stacks(snapshot)
                 note = self._recover(run_id, interrupt=True)
                 self._show(only_rank)
                 raise interrupt_error(self.world_size, snapshot, stacks, note) from None
             finally:
                 self._close_live()
-            if any(not ok for ok, _ in results.values()) or len(results) < self.world_size:
-                raise self._report("error", run_id, only_rank)
         self._show(only_rank)
         return [results[r][1] for r in range(self.world_size)]
 
@@ -790,184 +459,138 @@ class Cluster:
         if live is not None:
             live.close()
 
-    def _show(self, only_rank):
-        """Print every rank's output, grouped in rank order, so the stored output is deterministic."""
+    def _show(self, only_rank, late=False):
+        """Print every rank's output, grouped in rank order (so the stored output is deterministic), each rank's
+        lines in the order they arrived; ``only_rank`` hides the other ranks' stdout. ``late``: what the ranks
+        printed after their previous call had finished (a background thread, a child process), under a note."""
         self._close_live()
         printing = self._printing()   # a dead rank's pipes were read when it was found dead
         for rk in self._ranks:
             if rk.rank in printing:
-                rk.drain_streams()
+                rk.drain_streams(0.2 if late else DONE_DRAIN_S)
             rk.flush_partial()
         held, self._held = self._held, []
         merged = {}
         for rank, lines in held + [(rk.rank, rk.take_lines()) for rk in self._ranks]:
-            for name in ("stdout", "stderr"):
-                merged.setdefault(rank, {"stdout": [], "stderr": []})[name] += lines[name]
-        for rank in sorted(merged):
-            lines = merged[rank]
-            if only_rank is not None and rank != only_rank:
-                continue
-            for name in ("stdout", "stderr"):
-                if lines[name]:
-                    stream = getattr(sys, name)
-                    stream.write("".join(f"[rank {rank}] {line}\n" for line in hide_cpp_frames(lines[name])))
-                    stream.flush()
+            merged.setdefault(rank, []).extend(
+                (name, line) for name, line in lines if name == "stderr" or only_rank in (None, rank))
+        for rank, lines in sorted(merged.items()):
+            if late and lines:
+                print(f"note: rank {rank} printed this after its previous call had finished (a background thread "
+                      f"or a child process):", file=sys.stderr if lines[0][0] == "stderr" else sys.stdout)
+            for name, run in itertools.groupby(lines, key=lambda item: item[0]):
+                stream = getattr(sys, name)
+                stream.write("".join(f"[rank {rank}] {line}\n" for line in hide_cpp_frames(t for _, t in run)))
+                stream.flush()
 
-    def _stacks(self, ranks):
-        """Ask each busy rank's control thread where its main thread is."""
-        self._stack_id += 1
-        sid = self._stack_id
+    def _ask_all(self, ranks, message, answered, seconds):
+        """Send ``message`` to ``ranks`` and pump until ``answered()`` holds, a rank dies, or ``seconds`` pass;
+        return whether it held. A rank that cannot be written to is dead."""
         for rk in ranks:
             try:
-                rk.send(("stacks", sid))
+                rk.send(message)
             except OSError:
-                pass
-        got = {}
+                self._mark_dead(rk)
+        return self._pump_until(answered, time.monotonic() + seconds)
+
+    def _stacks(self, results):
+        """Where each live rank without a result in ``results`` is, from its control thread (milliseconds; a rank
+        that dies meanwhile or cannot answer within STACKS_S is left out)."""
+        ranks = [rk for rk in self._ranks if rk.rank not in results and not rk.dead]
+        if not ranks:
+            return {}
+        self._stack_id += 1
+        sid, got = self._stack_id, {}
 
         def answered():
             for rk, msg in self._take_messages():
                 if msg[0] == "stacks" and msg[1] == sid:
                     got[rk.rank] = msg[3]
-            return len(got) >= len(ranks)
+            return all(rk.rank in got or rk.dead for rk in ranks)
 
-        self._pump_until(answered, time.monotonic() + 2)
+        self._ask_all(ranks, ("stacks", sid), answered, STACKS_S)
         return got
 
     def _rebuild_group(self, pg_timeout=None):
         """A new process group on the same ranks (names kept); False if a rank failed to join it."""
+        self._stale_group = False
         self._generation += 1
         gen = self._generation
         if pg_timeout is not None:
             self._pg_timeout = pg_timeout
         self._run_id += 1
-        reset_id = self._run_id
-        done = self._done.setdefault(reset_id, {})
-        self._send_all(lambda rid: ("reset", rid, gen, self._pg_timeout))
-        self._pump_until(lambda: any(rk.dead for rk in self._ranks)
-                         or all(rk.rank in done for rk in self._ranks), time.monotonic() + 30)
+        done = self._done.setdefault(self._run_id, {})
+        joined = lambda: all(rk.rank in done for rk in self._ranks) or any(rk.dead for rk in self._ranks)
+        self._ask_all(self._ranks, ("reset", self._run_id, gen, self._pg_timeout), joined, 30)
         return all(rk.rank in done and done[rk.rank][0] for rk in self._ranks)
 
     def _recover(self, run_id, interrupt=False):
-        """Release every rank and rebuild the process group; replace the ranks if that fails.
-
-        Returns a note for the error message."""
+        """Release every live rank at once: abort its collectives and interrupt its code, and wait (at most
+        RELEASE_S) until each has returned. The process group is rebuilt at the next call (the report does not
+        wait for it); after a death, on spawn()'s one-shot ranks, or when a rank is not released, the ranks are
+        replaced. Returns a note for the report."""
         results = self._done.setdefault(run_id, {})
         live = [rk for rk in self._ranks if not rk.dead]
         for rk in live:
-            try:
-                rk.send(("abort",))  # idle ranks drop their connections: peers stuck on them error out
-            except OSError:
-                self._mark_dead(rk)
-        for rk in live:
-            if rk.rank not in results and rk.proc.poll() is None:
-                try:
+            if rk.rank not in results:
+                with contextlib.suppress(OSError):
                     os.kill(rk.proc.pid, signal.SIGINT)  # Python loops and sleeps stop here
-                except OSError:
-                    pass
-        if not self._group:  # spawn(): one-shot ranks; stop them all, as torch.multiprocessing.spawn does
-            self._pump_until(lambda: all(rk.rank in results for rk in self._ranks),
-                             time.monotonic() + 1.0)
-            self._replace(start=False)
-            return "The other ranks were stopped."
-        deadline = time.monotonic() + RELEASE_S
-        while True:
-            released = lambda: all(rk.rank in results for rk in self._ranks) or any(rk.dead for rk in self._ranks)
-            if self._pump_until(released, min(deadline, time.monotonic() + REABORT_S)) or time.monotonic() >= deadline:
-                break
-            for rk in self._ranks:  # a rank that reached its collective after the abort (a loaded machine) has
-                if rk.rank not in results and not rk.dead:  # opened connections since: cut those too
-                    try:
-                        rk.send(("abort",))
-                    except OSError:
-                        self._mark_dead(rk)
-        if all(rk.rank in results for rk in self._ranks) and self._rebuild_group():
+        released = self._ask_all(live, ("abort",), lambda: all(rk.rank in results or rk.dead for rk in self._ranks),
+                                 RELEASE_S)
+        if released and self._group and not any(rk.dead for rk in self._ranks):
+            self._stale_group = True
             return "The ranks were released and the process group rebuilt; names you defined are kept."
-        self._replace(start=not interrupt)  # after an interrupt, start lazily: the cell returns now
+        self._replace(start=False, failed=True)  # fresh ranks start with the next call: the report comes now
+        if not self._group:  # spawn(): one-shot ranks; the others stopped, as torch.multiprocessing.spawn does
+            return "The other ranks were stopped."
         return "The ranks were replaced with fresh ones; names you defined on them are gone."
 
     # -- errors ------------------------------------------------------------------------
-    def _report(self, kind, run_id, only_rank, timeout=None, dead=()):
-        """Snapshot, stacks of the ranks still running, recovery, output, then the report."""
+    def _failure(self, run_id, only_rank):
+        """The report of the first error or death, made at once: where the other ranks are (their stacks),
+        then they are released (or replaced, after a death), and the root cause is the failure that came
+        first by the ranks' own clocks: an error's time stamp, or when a dead rank's pipe closed.
+        ``run_id`` None: ranks found dead before a call, which then does not run."""
         __tracebackhide__ = True
-        if kind == "dead":
-            alive = [rk for rk in self._ranks if not rk.dead]
-            deadline = time.monotonic() + DEAD_TOGETHER_S  # ranks that die together are named together
-            blocked = 0  # a rank on its way out runs (or waits for a core); one asleep or waiting is staying
-            while alive and time.monotonic() < deadline and blocked < BLOCKED_SAMPLES:
-                for rk in alive:
-                    if rk.proc.poll() is not None or _exited(rk.proc.pid):
-                        self._mark_dead(rk)
-                alive = [rk for rk in alive if not rk.dead]
-                blocked = blocked + 1 if all(_blocked(rk.proc.pid) for rk in alive) else 0
-                time.sleep(0.05)
-            dead = [rk for rk in self._ranks if rk.dead and rk.rank not in self._done.get(run_id, {})]
-            for rk in dead:
-                try:
-                    rk.proc.wait(timeout=EXIT_CODE_S)
-                except subprocess.TimeoutExpired:
-                    rk.proc.kill()
-                    try:  # never a wait without a deadline here: SIGINT is deferred, and a wedged fork server
-                        rk.proc.wait(timeout=EXIT_CODE_S)  # (which reaps the ranks) would hang the stop button
-                    except subprocess.TimeoutExpired:
-                        pass  # its exit code stays unknown (None)
-            codes = {rk.rank: rk.proc.returncode for rk in dead}
-            self._show(only_rank)
-            self._replace(start=self._group)
-            note = ("The ranks were replaced with fresh ones; names you defined on them are gone." if self._group
-                    else "The other ranks were stopped.")
-            return dead_error(codes, note)
-        results = dict(self._done.get(run_id, {}))  # one moment: what had finished when the report began
-        running = [rk for rk in self._ranks if rk.rank not in results and not rk.dead]
-        stacks = self._stacks(running) if running else {}
+        results = dict(self._done.get(run_id, {}))  # one moment: what had finished when the failure was seen
+        stacks = self._stacks(results) if run_id is not None else {}
+        for rk in self._ranks:  # ranks that died with it, seen while the stacks were asked for, are named too
+            if not rk.dead and rk.proc.poll() is not None:
+                self._mark_dead(rk)
+        dead = [rk for rk in self._ranks if rk.dead and rk.rank not in results]
+        codes = self._exit_codes(dead)
+        deaths = {rk.rank: rk.died_at for rk in dead}
+        if run_id is None:
+            self._replace(start=False, failed=True)
+            note = ("It died between calls: this call did not run. The ranks were replaced with fresh ones; names "
+                    "you defined on them are gone.")
+        else:
+            note = self._recover(run_id)
+            for r, (ok, info) in self._done.get(run_id, {}).items():  # what came in while they were released:
+                if r not in results and (ok or info["type"] != "KeyboardInterrupt"):
+                    results[r] = (ok, info)  # their own results and errors, not the stop that released them
+                elif r not in results and not stacks.get(r, {}).get("where"):  # not in the cell yet when asked
+                    stacks[r] = {"where": info.get("where"), "busy": True}  # where the stop found it
+        self._show(only_rank)
+        return failure_error(self.world_size, results, stacks, codes, deaths, note, everyone=run_id is not None)
+
+    @staticmethod
+    def _exit_codes(dead):
+        """Each dead rank's exit code: at once on Linux (/proc, or our own child's), else as soon as its fork
+        server reports it, waited for at most EXIT_CODE_S in all (unknown after that: None)."""
+        deadline = time.monotonic() + EXIT_CODE_S
+        for rk in dead:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rk.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return {rk.rank: _exit_of(rk.proc) for rk in dead}
+
+    def _timeout(self, run_id, only_rank, timeout):
+        __tracebackhide__ = True
+        results = dict(self._done.get(run_id, {}))  # the moment the time ran out
+        stacks = self._stacks(results)
         note = self._recover(run_id)
         self._show(only_rank)
-        if kind == "timeout":
-            return timeout_error(self.world_size, results, stacks, timeout, note, backend=self.backend)
-        return rank_error(self.world_size, results, stacks, note)
-
-
-def _task_states(pid):
-    """The state letter of each thread of ``pid`` in /proc (S asleep, R running, Z zombie, ...): [] once the
-    process is gone, None where /proc cannot tell."""
-    if not os.path.isdir("/proc/self/task"):
-        return None
-    try:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        return states
-    except FileNotFoundError:
-        return []
-    except (OSError, IndexError):
-        return None
-
-
-def _exited(pid):
-    """The process has exited, as /proc shows it (every thread a zombie, or gone), before its parent reaps it.
-    A forked rank's parent is the fork server, which reports the exit code only once it has reaped it: at load,
-    seconds later (CI: 1 run in 8, and 10 of 20 here beside two busy loops, named only the first of two ranks
-    that died together, because the second's exit was not yet reported; this, with the wait of EXIT_CODE_S
-    for the code, made it 20 of 20). False where there is no /proc."""
-    states = _task_states(pid)
-    return states is not None and all(state in ("Z", "X") for state in states)
-
-
-def _blocked(pid, unknown=False):
-    """Every thread of ``pid`` asleep (waiting on a peer, a pipe, a timer) or stopped: none is running or
-    waiting for a core, as a rank that is about to exit is. A zombie thread (Z, X) is a process on its way
-    out, not a rank waiting (_exited tells those apart). False once the process is gone; ``unknown`` where
-    /proc cannot tell."""
-    states = _task_states(pid)
-    if states is None:
-        return unknown
-    return bool(states) and all(state in ("S", "T", "t") for state in states)
-
-
-def _undecodable_info(error):
-    return {"type": type(error).__name__,
-            "message": f"the rank's reply could not be loaded in the notebook: {error}",
-            "traceback": f"{type(error).__name__}: {error}\n", "where": "", "time": time.time()}
+        return timeout_error(self.world_size, results, stacks, timeout, note, backend=self.backend)
 
 
 def _dumps_named(values, what):
@@ -1009,41 +632,3 @@ def _sources_of(fn):
             sources[shown] = "".join(lines[2])
         codes += [c for c in code.co_consts if hasattr(c, "co_filename")]
     return sources, rename
-
-
-def launch(fn, *args, world_size=2, backend="auto", timeout=60, **kwargs):
-    """Run ``fn(*args, **kwargs)`` once on a short-lived pool; return the rank-ordered results.
-
-    Introduced in 00_launcher_tour."""
-    __tracebackhide__ = True
-    with Cluster(world_size=world_size, backend=backend, timeout=timeout) as cluster:
-        return cluster.run(fn, *args, **kwargs)
-
-
-
-def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn", *, timeout=None, backend="auto"):
-    """``torch.multiprocessing.spawn`` for notebooks: run ``fn(rank, *args)`` on ``nprocs`` fresh ranks.
-
-    Introduced in 00_launcher_tour. No process group is set up: ``fn`` calls ``init_process_group``
-    itself, as the tutorials' code does, with ``MASTER_ADDR``/``MASTER_PORT`` preset to a free loopback
-    port (``fn`` may set its own). Functions from notebook cells are sent by value; output is relayed
-    per rank; a failure raises ``DistributedError`` and stops the other ranks. Returns the ranks'
-    return values in rank order. ``timeout`` (seconds, default none, like ``mp.spawn``) turns a hang
-    into ``DistributedTimeout``. ``daemon`` and ``start_method`` are accepted for compatibility: the
-    ranks are always new processes (see Cluster) that end with the call.
-    """
-    __tracebackhide__ = True
-    if not join:
-        raise ValueError("spawn(join=False) is not supported: the notebook waits for the ranks. Use join=True.")
-    if start_method not in ("spawn", "forkserver", "fork"):
-        raise ValueError(f"unknown start_method {start_method!r}")
-    if not callable(fn):
-        raise ValueError(f"spawn() takes a function, got {type(fn).__name__}")
-    if not isinstance(args, tuple):
-        raise ValueError(f"args must be a tuple (as for torch.multiprocessing.spawn), got {type(args).__name__}")
-    cluster = Cluster(world_size=nprocs, backend=backend, timeout=math.inf if timeout is None else timeout,
-                      _group=False)
-    try:
-        return cluster._request(cluster._call_message(fn, args, {}, with_rank=True), None)
-    finally:
-        cluster.shutdown()

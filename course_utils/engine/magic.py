@@ -72,7 +72,8 @@ class RankValues(list):
 
 
 class LiveView:
-    """A status line per rank while a cell runs; removed before the cell's stored output is printed."""
+    """While a cell runs: per rank, its progress bar or the last few lines it printed (launcher.LIVE_LINES). Blanked
+    before the cell's output is printed, and never shown under nbval: stored outputs hold the grouped output only."""
 
     def __init__(self, world_size):
         self.handle = None
@@ -92,9 +93,9 @@ class LiveView:
         from IPython.display import display
 
         lines = [f"running on {self.world_size} ranks: {elapsed:.0f} s"]
-        for rk in ranks:
-            status = bar(*rk.progress) if rk.progress else rk.last_line
-            lines.append(f"[rank {rk.rank}] {status[:150]}")
+        for rk in ranks:  # a progress bar, else the last few whole lines the rank printed
+            shown = [bar(*rk.progress)] if rk.progress else list(rk.recent) or [""]
+            lines += [f"[rank {rk.rank}] {line[:150]}" for line in shown]
         data = {"text/plain": "\n".join(lines)}
         if self.handle is None:
             self.handle = display(data, raw=True, display_id=True)
@@ -103,17 +104,16 @@ class LiveView:
         self.shown_at = time.monotonic()
 
     def close(self):
+        """Blank this view's own display: clear_output() would also wipe what the cell showed before it (the note
+        on what a rank printed after its previous call, the fresh-interpreters note)."""
         if self.handle is not None:
-            from IPython.display import clear_output
-
-            clear_output()
+            self.handle.update({"text/plain": ""}, raw=True)
             self.handle = None
 
 
 class CallView(LiveView):
     """LiveView for a ``Cluster.run`` that a notebook cell makes without ``%%ddp`` (a checker's call): shown only
-    once the call has run for ``DELAY_S``, and closed by blanking its own line, not with clear_output(), which
-    would also wipe what the cell printed before the call."""
+    once the call has run for ``DELAY_S``."""
 
     DELAY_S = 1.0
 
@@ -130,11 +130,6 @@ class CallView(LiveView):
     def update(self, ranks, elapsed):
         if elapsed >= self.DELAY_S:
             super().update(ranks, elapsed)
-
-    def close(self):
-        if self.handle is not None:
-            self.handle.update({"text/plain": ""}, raw=True)
-            self.handle = None
 
 
 launcher.CALL_VIEW = CallView
@@ -297,4 +292,9 @@ class DDPMagics(Magics):
             return None
         print(f"{c.world_size} ranks, backend {c.backend}, timeout {c.timeout:g} s, "
               f"{c.restarts} restart(s), worker pids {c.pids}")
+        from course_utils.engine._worker import rank_status
+
+        for r, (device, used, peak) in enumerate(c.run(rank_status)):
+            memory = f": {used / 2**30:.2f} GiB in use, {peak / 2**30:.2f} GiB at peak" if used is not None else ""
+            print(f"  rank {r}: {device}{memory}")
         return None

@@ -6,9 +6,30 @@ moment (a rank is never both "stuck" and "finished").
 import os
 import re
 import signal
+import time
+import traceback
 
 _CPP_FRAME = re.compile(r"^\s*frame #\d+: ")
-_RELEASED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_RELEASED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "released by the engine")
+
+
+class CellSyntaxError(ValueError):
+    """The code sent to the ranks does not parse; nothing ran. Shows just the offending line."""
+
+    def __init__(self, error):
+        self.error = error
+        self.lines = traceback.format_exception_only(type(error), error)
+        super().__init__("".join(self.lines).rstrip() + "\n(nothing ran on the ranks: fix the line above)")
+
+    def _render_traceback_(self):
+        return "".join(self.lines).rstrip().splitlines() + ["(nothing ran on the ranks: fix the line above)"]
+
+
+def undecodable_info(error):
+    """The error info of a rank whose reply the notebook could not load: that rank's error."""
+    return {"type": type(error).__name__,
+            "message": f"the rank's reply could not be loaded in the notebook: {error}",
+            "traceback": f"{type(error).__name__}: {error}\n", "where": "", "time": time.time()}
 
 
 class DistributedError(RuntimeError):
@@ -96,12 +117,17 @@ def hide_cpp_frames_text(text):
     return "\n".join(hide_cpp_frames(text.split("\n")))
 
 
+def released(error):
+    """An error that only says a rank was let go from a collective because another rank failed or stopped."""
+    return any(m in error["message"] for m in _RELEASED)
+
+
 def first_failure(errors):
-    """The rank to blame: among the errors that are not just a rank being released from a
-    collective, the lowest rank that raised the same exception at the same place as the earliest
-    one, or within a second of it. A bug that hits every rank is then blamed on the same rank every
-    run, however the ranks were scheduled."""
-    causes = {r: e for r, e in errors.items() if not any(m in e["message"] for m in _RELEASED)} or errors
+    """The rank to blame: among the failures (error infos, or a death's {"type": "died", "time": ...}) that are
+    not just a rank being released from a collective, the earliest by the ranks' own clocks; and of those that
+    raised the same exception at the same place as it, or within a second of it, the lowest rank. A bug that hits
+    every rank is then blamed on the same rank every run, however the ranks were scheduled."""
+    causes = {r: e for r, e in errors.items() if not released(e)} or errors
     first = min(causes, key=lambda r: (causes[r]["time"], r))
     same = (causes[first]["type"], causes[first].get("where"))
     return min(r for r, e in causes.items()
@@ -115,6 +141,8 @@ def describe(rank, results, stacks, first):
         if ok:
             return "finished"
         where = f" {payload['where']}" if payload.get("where") else ""
+        if released(payload):
+            return f"was waiting{where} and was released"
         return f"{'raised' if rank == first else 'then raised'} {payload['type']}{where}"
     info = stacks.get(rank)
     if info and info.get("where"):
@@ -130,28 +158,48 @@ def _same_verdict(world_size, errors):
         for e in errors.values())
 
 
-def rank_error(world_size, results, stacks, note):
-    errors = {r: p for r, (ok, p) in results.items() if not ok}
-    if world_size > 1 and _same_verdict(world_size, errors):  # shown once: the verdict, then the learner's line
-        e = errors[0]
-        tb = e["traceback"].rstrip()
-        cut = tb.rfind(f"\n{e['type']}")
-        lines = [hide_cpp_frames_text(tb[:cut])] if cut > 0 else []
-        if note:
-            lines += ["", note]
-        ranks = {r: "raised the same error" for r in range(1, world_size)}
-        return DistributedError(
-            f"every rank failed the check with {e['type']}: {hide_cpp_frames_text(e['message'])}", "\n".join(lines),
-            rank=0, exc_type=e["type"], exc_message=e["message"], rank_traceback=e["traceback"], ranks=ranks)
-    first = first_failure(errors)
-    e = errors[first]
-    others = {r: describe(r, results, stacks, first) for r in range(world_size) if r != first}
-    details = [hide_cpp_frames_text(e["traceback"].rstrip()), "", "The other ranks:"]
-    details += [f"  rank {r}: {s}" for r, s in others.items()]
+def _same_verdict_error(world_size, e, note):
+    tb = e["traceback"].rstrip()
+    cut = tb.rfind(f"\n{e['type']}")
+    lines = [hide_cpp_frames_text(tb[:cut])] if cut > 0 else []
     if note:
-        details += ["", note]
+        lines += ["", note]
+    ranks = {r: "raised the same error" for r in range(1, world_size)}
     return DistributedError(
-        f"rank {first} failed with {e['type']}: {hide_cpp_frames_text(e['message'])}", "\n".join(details),
+        f"every rank failed the check with {e['type']}: {hide_cpp_frames_text(e['message'])}", "\n".join(lines),
+        rank=0, exc_type=e["type"], exc_message=e["message"], rank_traceback=e["traceback"], ranks=ranks)
+
+
+def failure_error(world_size, results, stacks, codes, deaths, note, everyone=True):
+    """The report of a failed call: its root cause (the first failure, see first_failure) and, with
+    ``everyone``, what every other rank was doing. ``results`` and ``stacks``: the snapshot taken when the
+    failure was seen; ``codes``: dead rank -> exit code (see dead_error); ``deaths``: dead rank -> time.time()
+    when its pipe closed."""
+    errors = {r: p for r, (ok, p) in results.items() if not ok}
+    if world_size > 1 and not codes and _same_verdict(world_size, errors):  # shown once: the verdict, then the line
+        return _same_verdict_error(world_size, errors[0], note)
+    how = _how_it_ended(codes)
+    failures = {**errors, **{r: {"type": "died", "time": deaths.get(r) or 0.0, "message": ""} for r in codes}}
+    first = first_failure(failures)
+    others = {}
+    for r in range(world_size):
+        if r == first:
+            continue
+        if r in codes:
+            others[r] = how[r] if first in codes else "then " + how[r]
+        elif everyone or r in results:
+            others[r] = describe(r, results, stacks, first)
+    details = [f"  rank {r}: {s}" for r, s in others.items()]
+    if first in codes:
+        lines = details + (["", note] if note else [])
+        return DistributedError(f"rank {first} died: it {how[first]}.", "\n".join(lines), rank=first,
+                                exc_type="ProcessExit", exc_message=how[first], ranks={first: how[first], **others})
+    e = errors[first]
+    lines = [hide_cpp_frames_text(e["traceback"].rstrip()), "", "The other ranks:"] + details
+    if note:
+        lines += ["", note]
+    return DistributedError(
+        f"rank {first} failed with {e['type']}: {hide_cpp_frames_text(e['message'])}", "\n".join(lines),
         rank=first, exc_type=e["type"], exc_message=e["message"], rank_traceback=e["traceback"], ranks=others)
 
 
@@ -194,13 +242,18 @@ def timeout_error(world_size, results, stacks, timeout, note, backend=None):
         stacks={r: stacks.get(r, {}).get("stack", "") for r in stuck if stacks.get(r, {}).get("stack")})
 
 
+SERVER_GONE = "server gone"  # an exit code in dead_error: the rank's fork server ended first, and the rank with it
+
+
+def _how_it_ended(codes):
+    """rank -> how it ended, from ``codes`` (rank -> exit code; negative: killed by that signal; None: never
+    reported; SERVER_GONE: its fork server ended first)."""
+    return {r: ("ended with its fork server, which was stopped or killed"
+                if c == SERVER_GONE else
+                "ended, its exit code unknown (its parent never reported it)" if c is None else
+                f"was killed by {signal_name(c)}" if c < 0 else f"exited with code {c}") for r, c in codes.items()}
+
+
 def dead_error(codes, note):
-    """``codes``: rank -> exit code (negative: killed by that signal; None: never reported)."""
-    how = {r: ("ended, its exit code unknown (its parent never reported it)" if c is None else
-               f"was killed by {signal_name(c)}" if c < 0 else f"exited with code {c}") for r, c in codes.items()}
-    first = min(codes)
-    lines = [f"  rank {r}: {h}" for r, h in how.items() if r != first]  # the first is in the summary
-    if note:
-        lines += ["", note]
-    return DistributedError(f"rank {first} died: it {how[first]}.", "\n".join(lines), rank=first,
-                            exc_type="ProcessExit", exc_message=how[first], ranks=how)
+    """The report of ranks that died between calls: the lowest one, then the others, each with how it ended."""
+    return failure_error(max(codes) + 1, {}, {}, codes, {}, note, everyone=False)
