@@ -107,11 +107,14 @@ def _readme_quick_start():
     assert section, "README.md has no '## Quick start' section"
     block = re.search(r"```bash\n(.*?)```", section.group(1), re.S)
     assert block, "the README's quick start has no ```bash block"
-    commands = {}
-    for line in block.group(1).splitlines():
+    commands, above = {}, ""
+    for line in block.group(1).splitlines():  # a command's comment: beside it, or on the line above it
         command, _, comment = line.partition("#")
         if command.strip():
-            commands[command.strip()] = comment.strip()
+            commands[command.strip()] = " ".join(filter(None, [above, comment.strip()]))
+            above = ""
+        else:
+            above = comment.strip()
     return commands
 
 
