@@ -12,6 +12,7 @@
 - ``check_pad_and_shard``, ``check_micro_fsdp`` (13_fsdp_by_hand), in ``checks.fsdp``
 - ``check_row_parallel_backward``, ``check_pipeline_schedule`` (15_beyond_data_parallelism), in ``checks.parallel``
 - ``check_lora_linear`` (16_fine_tuning_small_cards), in ``checks.lora``
+- ``check_largest_micro_batch`` (18_diffusion_on_two_rtx_3060s), in ``checks.diffusion``
 - ``check_exposed_fraction`` (17_debugging_and_profiling), in ``checks.debugging`` (the mystery job's checker,
   ``check_mystery_answer``, reads the run's dumps: course_utils.debugging)
 
@@ -25,8 +26,8 @@ frames). Importing from the submodule gives the unwrapped function.
 """
 import functools
 
-MODULES = ("all_reduce", "basics", "comm_hook", "debugging", "fsdp", "grad_avg", "lora", "micro_ddp", "parallel",
-           "zero")
+MODULES = ("all_reduce", "basics", "comm_hook", "debugging", "diffusion", "fsdp", "grad_avg", "lora", "micro_ddp",
+           "parallel", "zero")
 
 _WRAPPED = {}  # name -> wrapped checker, so every import returns the same object
 
