@@ -159,6 +159,9 @@ def _without_proc():
 def time_failure_reports(repeats=int(os.environ.get("COURSE_UTILS_BENCH_REPEATS", 3))):
     """Seconds from a rank's failure (stamped by the rank just before it fails) to the DistributedError, per case
     of FAILURE_CASES (median of ``repeats``: COURSE_UTILS_BENCH_REPEATS, 3 unless set)."""
+    from course_utils.engine import launcher
+
+    launcher.START_TIMEOUT_S = max(launcher.START_TIMEOUT_S, 900)  # fresh interpreters on a loaded machine
     if os.environ.get("COURSE_UTILS_BENCH_NO_PROC"):
         _without_proc()
     got = {}

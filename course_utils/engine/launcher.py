@@ -446,7 +446,7 @@ class Cluster:
             except KeyboardInterrupt:
                 snapshot = dict(self._done.get(run_id, {}))
                 stacks = self._stacks(snapshot)
-                note = self._recover(run_id, interrupt=True)
+                note = self._recover(run_id)
                 self._show(only_rank)
                 raise interrupt_error(self.world_size, snapshot, stacks, note) from None
             finally:
@@ -524,19 +524,23 @@ class Cluster:
         self._ask_all(self._ranks, ("reset", self._run_id, gen, self._pg_timeout), joined, 30)
         return all(rk.rank in done and done[rk.rank][0] for rk in self._ranks)
 
-    def _recover(self, run_id, interrupt=False):
+    def _recover(self, run_id, verdict=False):
         """Release every live rank at once: abort its collectives and interrupt its code, and wait (at most
         RELEASE_S) until each has returned. The process group is rebuilt at the next call (the report does not
         wait for it); after a death, on spawn()'s one-shot ranks, or when a rank is not released, the ranks are
-        replaced. Returns a note for the report."""
+        replaced. ``verdict``: the failure is a checker's verdict, and the other ranks run the same check: their
+        collectives are aborted first and each gets up to RELEASE_S to reach its own verdict before it is
+        interrupted (a wrong answer is then reported once, for every rank). Returns a note for the report."""
         results = self._done.setdefault(run_id, {})
         live = [rk for rk in self._ranks if not rk.dead]
+        returned = lambda: all(rk.rank in results or rk.dead for rk in self._ranks)  # noqa: E731
+        if verdict:
+            self._ask_all(live, ("abort",), returned, RELEASE_S)
         for rk in live:
             if rk.rank not in results:
                 with contextlib.suppress(OSError):
                     os.kill(rk.proc.pid, signal.SIGINT)  # Python loops and sleeps stop here
-        released = self._ask_all(live, ("abort",), lambda: all(rk.rank in results or rk.dead for rk in self._ranks),
-                                 RELEASE_S)
+        released = self._ask_all(live, ("abort",), returned, RELEASE_S)
         if released and self._group and not any(rk.dead for rk in self._ranks):
             self._stale_group = True
             return "The ranks were released and the process group rebuilt; names you defined are kept."
@@ -565,7 +569,7 @@ class Cluster:
             note = ("It died between calls: this call did not run. The ranks were replaced with fresh ones; names "
                     "you defined on them are gone.")
         else:
-            note = self._recover(run_id)
+            note = self._recover(run_id, verdict=any(not ok and info.get("verdict") for ok, info in results.values()))
             for r, (ok, info) in self._done.get(run_id, {}).items():  # what came in while they were released:
                 if r not in results and (ok or info["type"] != "KeyboardInterrupt"):
                     results[r] = (ok, info)  # their own results and errors, not the stop that released them
