@@ -27,10 +27,11 @@ Two nodes x 1 process (MASTER: node 0's address; on one machine 127.0.0.1 with G
 Your own GPUs (NCCL, one rank per GPU; the model from a local folder or the hub): the line will_it_fit printed,
 e.g. LoRA of Llama 2 7B on 2 x 24 GB cards:
     torchrun --standalone --nproc-per-node=2 scripts/finetune.py --model meta-llama/Llama-2-7b-hf --method lora \\
-        --strategy fsdp --precision mixed --lora-r 16 --seq-len 512 --micro-batch-size 4 --accum-steps 2 \\
-        --global-batch-size 16 --checkpoint-dir ckpt --save-every 50 --resume
-  tests/test_finetune_fits.py runs build() and one step of this line (both micro-batches) with fake tensors on a fake
-  world of 2: the peak per rank is 6.3 GiB after the build and 16.2 GiB in forward and backward (micro-batch 4 x 512
+        --strategy fsdp --precision mixed --lora-r 16 --seq-len 512 --micro-batch-size 4 --accum-steps 1 \\
+        --global-batch-size 8 --checkpoint-dir ckpt --save-every 50 --resume
+  tests/test_finetune_fits.py runs build() and one step of this line with fake tensors on a fake world of 2
+  (FSDPMemTracker follows one forward per step: more --accum-steps add only the adapters' gradients, kept between
+  micro-batches): the peak per rank is 6.3 GiB after the build and 16.2 GiB in forward and backward (micro-batch 4 x 512
   tokens), under 85% of a 24 GiB card; the CUDA context, NCCL's buffers and the allocator's cache come on top.
 
 What each setting keeps in memory (scripts/will_it_fit.py measures exactly this layout):
