@@ -4,5 +4,6 @@
 ``_forkstart`` (the fork servers), ``_worker`` (one rank), ``_wire`` (framing on the pipes), ``reports`` (the error
 reports), ``magic`` (``%%ddp``), ``progress``, ``env`` (the machine, ``check_environment``), ``export``
 (``%ddp export``).
-The public names are re-exported by ``course_utils``.
+The public names are re-exported by ``course_utils``. What the engine promises (options, failures, start-up,
+safety) is specified once, in docs/engine.md; the modules' docstrings say how, not again what.
 """
