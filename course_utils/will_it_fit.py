@@ -134,17 +134,16 @@ def shape_from_config(config, name="config.json"):
 
 
 def _hub_config(repo_id):
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError:
-        raise WillItFitError(f"{repo_id!r}: not a known name or a local file, and huggingface_hub is not installed "
-                             "to fetch its config.json: download config.json and pass its path") from None
-    try:
-        return Path(hf_hub_download(repo_id, "config.json"))
-    except Exception as exc:   # offline, gated, unknown repository: all end the same way for the reader
-        raise WillItFitError(f"could not fetch config.json of {repo_id!r} from the hub ({type(exc).__name__}): "
-                             "check the name and the network (gated models need `huggingface-cli login`), or "
-                             "download config.json and pass its path") from None
+    """config.json of a hub repository (or its unet/config.json), read from the local huggingface cache only:
+    nothing here downloads."""
+    from course_utils.model_zoo import _cached_config
+
+    path = _cached_config(repo_id)
+    if path is None:
+        raise WillItFitError(f"{repo_id!r}: its config.json is not in the local huggingface cache, and will_it_fit "
+                             f"downloads nothing: run `huggingface-cli download {repo_id} config.json` once, or "
+                             "pass the path of a config.json")
+    return path
 
 
 def _read_config(path, name):
@@ -168,16 +167,48 @@ def resolve_model(name):
     for known, (shape, hub) in MODELS.items():
         if key in (known, known.replace("-", "", 1)) or (hub and key == hub.lower()):
             return shape, hub
+    from course_utils import model_zoo
+
+    if key in model_zoo.UNETS or key.replace("sd", "sd-", 1) in model_zoo.UNETS:     # sd-1.5, sd15, sdxl, ...
+        return _zoo(name)
     path = Path(name).expanduser()
     if path.is_dir():
-        path = path / "config.json"
+        path = path / "config.json" if (path / "config.json").is_file() else path / "unet" / "config.json"
     if path.is_file():
-        return shape_from_config(_read_config(path, str(path)), str(path)), str(path.parent)
+        config = _read_config(path, str(path))
+        folder = path.parent.parent if path.parent.name == "unet" else path.parent    # a pipeline's UNet: the pipeline
+        return _shape_or_spec(config, str(path)), str(folder)
     if "/" in name and not path.suffix and len(name.split("/")) == 2:
         config_path = _hub_config(name)
-        return shape_from_config(_read_config(config_path, name), name), name
-    raise WillItFitError(f"unknown model {name!r}: give one of {', '.join(MODELS)}, a config.json of a "
-                         f"{'/'.join(SUPPORTED)}, or a hub name such as Qwen/Qwen2.5-3B")
+        return _shape_or_spec(_read_config(config_path, name), name), name
+    raise WillItFitError(f"unknown model {name!r}: give one of {', '.join(list(MODELS) + list(model_zoo.UNETS))}, a "
+                         "config.json of a transformers causal LM or a diffusers UNet, or a hub name such as "
+                         "Qwen/Qwen2.5-3B (read from the local huggingface cache)")
+
+
+def _shape_or_spec(config, name):
+    """A ``LlamaShape`` for the Llama family (the hand-written decoder: tests/test_model_zoo.py holds that it
+    measures within 2% of transformers' own, per phase, and it measures faster), otherwise a
+    ``model_zoo.ModelSpec``: any causal LM transformers builds, or a diffusers UNet."""
+    try:
+        return shape_from_config(config, name)
+    except WillItFitError:
+        from course_utils.model_zoo import ModelZooError, spec_from_config
+
+        try:
+            return spec_from_config(config, name, hub=name if "/" in name and not name.endswith(".json") else None)
+        except ModelZooError as exc:
+            raise WillItFitError(str(exc)) from None
+
+
+def _zoo(name):
+    from course_utils.model_zoo import ModelZooError, resolve_spec
+
+    try:
+        spec = resolve_spec(name)
+    except ModelZooError as exc:
+        raise WillItFitError(str(exc)) from None
+    return spec, spec.hub
 
 
 # -- the cards ----------------------------------------------------------------------------------------------------
@@ -279,13 +310,10 @@ def parse_cards(text):
 
 # -- measuring ----------------------------------------------------------------------------------------------------
 def _lora(model, targets, r, base_dtype):
-    from course_utils.lora import add_lora
+    from course_utils.model_zoo import add_lora_by_suffix
 
-    model.to(base_dtype)
-    add_lora(model, targets=targets, r=r, alpha=2 * r)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.data = p.data.float()         # adapters and their AdamW state in fp32, as scripts/finetune.py
+    # the base frozen in base_dtype; adapters and their AdamW state in fp32, as scripts/finetune.py
+    add_lora_by_suffix(model, targets, r=r, alpha=2 * r, base_dtype=base_dtype)
 
 
 KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "comm_buffers", "total")
@@ -303,10 +331,12 @@ def extend_by_blocks(a, b, blocks):
 def measure_replica(shape, **kw):
     """``measure_step(shape, strategy="replica", **kw)``, measured at 2 and 3 blocks and extended to
     ``shape.n_layer`` (each kind of each phase grows by the same bytes per block; see the module docstring)."""
-    if shape.n_layer <= DEPTHS[-1]:
-        return dict(measure_step(shape, strategy="replica", **kw), how="measured")
+    measure, unet = _measurer(shape), getattr(shape, "kind", None) == "unet"
+    if shape.n_layer <= DEPTHS[-1] or unet:      # a UNet's blocks differ: measured whole
+        return dict(measure(shape, strategy="replica", **kw), how="measured")
     t0 = time.perf_counter()
-    a, b = (measure_step(dataclasses.replace(shape, n_layer=L), strategy="replica", **kw) for L in DEPTHS)
+    at = shape.with_layers if hasattr(shape, "with_layers") else lambda L: dataclasses.replace(shape, n_layer=L)
+    a, b = (measure(at(L), strategy="replica", **kw) for L in DEPTHS)
     extra = shape.n_layer - DEPTHS[0]
     out = {phase: extend_by_blocks({k: a[phase][k] for k in KINDS}, {k: b[phase][k] for k in KINDS}, extra)
            for phase in ("forward", "backward", "step")}
@@ -317,11 +347,20 @@ def measure_replica(shape, **kw):
     return out
 
 
+def _measurer(shape):
+    """``true_size.measure_step`` for a ``LlamaShape``; ``model_zoo.measure_model_step`` for any other model."""
+    if isinstance(shape, LlamaShape):
+        return measure_step
+    from course_utils.model_zoo import measure_model_step
+
+    return measure_model_step
+
+
 def _job(kind, shape, kw):
     torch.set_num_threads(1)
     if kind == "replica":
         return measure_replica(shape, **kw)
-    return dict(measure_step(shape, strategy="fsdp2", **kw), how="measured")
+    return dict(_measurer(shape)(shape, strategy="fsdp2", **kw), how="measured")
 
 
 # -- the cache: each distinct fake-tensor step measured once --------------------------------------------------------
@@ -333,7 +372,7 @@ def default_cache_dir():
 
 
 # The files whose code decides a measurement's bytes: an entry is keyed by their text, so an edit measures again.
-_MEASURING_CODE = ("true_size.py", "memory.py", "lora.py", "will_it_fit.py")
+_MEASURING_CODE = ("true_size.py", "memory.py", "lora.py", "will_it_fit.py", "model_zoo.py")
 
 
 @functools.lru_cache(maxsize=1)
@@ -519,7 +558,12 @@ def _phases(r, extra=0):
 def qlora_counts(shape):
     """``(4-bit, other)``: the base's parameters bitsandbytes stores in 4 bits (the weight of every decoder linear,
     ``q_proj`` ... ``down_proj``) and the rest (the embedding, ``lm_head``, which transformers keeps unquantised, the
-    RMSNorm weights, Qwen2's q/k/v biases)."""
+    RMSNorm weights, Qwen2's q/k/v biases). Any other model (``model_zoo.ModelSpec``): ``model_zoo.qlora_counts``,
+    every linear but the head."""
+    if not isinstance(shape, LlamaShape):
+        from course_utils import model_zoo
+
+        return model_zoo.qlora_counts(shape)
     linears = shape.n_params - (1 if shape.tie_embeddings else 2) * shape.vocab_size * shape.d_model \
         - (2 * shape.n_layer + 1) * shape.d_model
     if shape.qkv_bias:
@@ -623,6 +667,8 @@ class Plan:
             return None, "nothing fits: no command"
         W = row.world_size
         micro, accum, glob = self.batches(row)
+        if getattr(self.shape, "kind", None) == "unet":
+            return self._unet_command(row, micro, accum, glob)
         model = self.source or "PATH/TO/YOUR/CHECKPOINT"
         words = ["torchrun", "--standalone", f"--nproc-per-node={W}", SCRIPT, "--model", model,
                  "--method", row.method, "--strategy", SCRIPT_STRATEGY[row.strategy],
@@ -644,6 +690,25 @@ class Plan:
             note += "; the article's model has no published weights: point --model at a checkpoint of that shape"
         return " ".join(words), note
 
+    def _unet_command(self, row, micro, accum, glob):
+        """A UNet's plan as diffusers' example script runs it (the course ships no UNet trainer but lesson 18's)."""
+        from course_utils.diffusion import diffusers_command
+        from course_utils.model_zoo import UNET_LORA_TARGETS, native_resolution
+
+        if row.method == "qlora":
+            return None, ("no diffusers script loads a 4-bit UNet (and bitsandbytes needs a GPU): LoRA over a bf16 "
+                          "base is the nearest script")
+        cmd = diffusers_command(self.source, row.strategy, row.checkpoint, row.world_size, micro,
+                                resolution=native_resolution(self.shape),
+                                sdxl=self.shape.config.get("addition_embed_type") == "text_time",
+                                lora=row.method == "lora", lora_rank=self.lora_r, accum_steps=accum)
+        note = (f"diffusers' examples/text_to_image script under accelerate (lesson 18), {micro} image"
+                f"{'s' if micro > 1 else ''} per card per forward, {accum} accumulation step{'s' if accum > 1 else ''}:"
+                f" a global batch of {glob}; its LoRA adapts {','.join(UNET_LORA_TARGETS)}")
+        if row.method == "full":
+            note = note.rsplit(";", 1)[0]
+        return cmd, note
+
     def what_fails(self):
         """The method in words, for "... does not fit"."""
         return {"full": "Full fine-tuning", "lora": f"LoRA over {'a bf16' if self.precision == 'mixed' else 'an fp32'} "
@@ -654,8 +719,13 @@ class Plan:
         card = self.card_bytes
         what = {"full": "full fine-tuning, AdamW", "lora": f"LoRA r = {self.lora_r} on {','.join(self.targets)}",
                 "qlora": f"QLoRA (4-bit base), LoRA r = {self.lora_r} on {','.join(self.targets)}"}[self.method]
-        lines = [f"{s.name}: {s.n_params:,} parameters; {what}; micro-batch {self.micro_batch} x {self.seq_len} "
-                 f"tokens per card, a global batch of {self.global_batch} sequences (accumulation makes up the rest); "
+        unit = f"{self.seq_len} tokens"
+        if getattr(s, "kind", None) == "unet":
+            from course_utils.model_zoo import native_resolution
+
+            unit = f"images of {native_resolution(s)} px"
+        lines = [f"{s.name}: {s.n_params:,} parameters; {what}; micro-batch {self.micro_batch} x {unit} per card, "
+                 f"a global batch of {self.global_batch} (accumulation makes up the rest); "
                  f"AdamW foreach, as on a GPU",
                  f"cards: {self.card_label}; a row fits when its peak is at most {USABLE:.0%} of a card "
                  f"({USABLE * self.card_gib:.2f} GiB)" + (f"; {self.card_note}" if self.card_note else ""),
@@ -726,7 +796,7 @@ def _stderr_line(done, total, name):
         print(text, file=sys.stderr, flush=True)
 
 
-def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=16, targets=("q_proj", "v_proj"),
+def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=16, targets=None,
                 precision="mixed", workers=None, say=_stderr_line, max_cards=MAX_CARDS, checkpoints=(False, True),
                 global_batch=GLOBAL_BATCH, cache=None):
     """Measure ``model`` (see ``resolve_model``) on ``cards`` (see ``parse_cards``) and pick a plan; returns a
@@ -740,13 +810,15 @@ def will_it_fit(model, cards, method="lora", seq_len=512, micro_batch=1, lora_r=
     to ``max_cards``. ``global_batch``: the sequences of one optimizer step, which the printed command reaches with
     accumulation. ``cache``: a folder (``default_cache_dir()``, as scripts/will_it_fit.py uses) where each distinct
     step is kept once measured (``Cache``), or None: measure every step. Every input is checked before anything is
-    measured (``check_inputs``)."""
+    measured (``check_inputs``). ``model`` may also be any causal LM transformers builds or a diffusers UNet
+    (``model_zoo``: ``sd-1.5``, ``sd-2.1``, ``sdxl``, a config.json), measured at its native resolution for a UNet;
+    ``targets`` None: the model's default (``q_proj``, ``v_proj``; a UNet's attention projections)."""
     t0 = time.perf_counter()
     say = say or (lambda done, total, running: None)
-    targets = tuple(targets)
     check_inputs(method=method, precision=precision, seq_len=seq_len, micro_batch=micro_batch, lora_r=lora_r,
-                 targets=targets, workers=workers, max_cards=max_cards, global_batch=global_batch)
-    shape, source = (model, None) if isinstance(model, LlamaShape) else resolve_model(model)
+                 targets=None, workers=workers, max_cards=max_cards, global_batch=global_batch)
+    shape, source = (model, None) if isinstance(model, LlamaShape) or hasattr(model, "kind") else resolve_model(model)
+    targets = _targets(shape, targets)
     count, gib, label = parse_cards(cards) if isinstance(cards, str) else _card_pair(cards)
     if count > max_cards:
         raise WillItFitError(f"--cards: {count} cards is more than the search's bound of {max_cards}: give at most "
@@ -818,10 +890,27 @@ def _positive_int(flag, value, what, example=""):
                              + (f" (as in {flag} {example})" if example else ""))
 
 
+def _targets(shape, targets):
+    """LoRA's targets for ``shape``: those given, checked against the model's linear layers, or its default."""
+    if isinstance(shape, LlamaShape):
+        targets = ("q_proj", "v_proj") if targets is None else tuple(targets)
+        check_inputs(targets=targets)
+        return targets
+    from course_utils.model_zoo import default_targets, lora_target_names
+
+    if targets is None:
+        return default_targets(shape)
+    targets = tuple(targets)
+    check_inputs(targets=targets, allowed=tuple(sorted(lora_target_names(shape))), what=shape.name)
+    return targets
+
+
 def check_inputs(method="lora", precision="mixed", seq_len=512, micro_batch=1, lora_r=16,
-                 targets=("q_proj", "v_proj"), workers=None, max_cards=MAX_CARDS, global_batch=GLOBAL_BATCH):
+                 targets=("q_proj", "v_proj"), workers=None, max_cards=MAX_CARDS, global_batch=GLOBAL_BATCH,
+                 allowed=LORA_TARGETS, what="a Llama-family decoder"):
     """Refuse a bad input before anything is measured, in one line saying what to give (``WillItFitError``);
-    tests/test_will_it_fit_inputs.py runs each through scripts/will_it_fit.py."""
+    tests/test_will_it_fit_inputs.py runs each through scripts/will_it_fit.py. ``targets`` None: checked once the
+    model is known (``allowed``: its linear layers' names; ``what``: the model, in the message)."""
     if method not in ("full", "lora", "qlora"):
         raise WillItFitError(f"--method {method!r}: use full, lora or qlora")
     if precision not in ("mixed", "fp32"):
@@ -836,11 +925,11 @@ def check_inputs(method="lora", precision="mixed", seq_len=512, micro_batch=1, l
         raise WillItFitError(f"--max-cards {max_cards}: give at most {MAX_CARDS_LIMIT} (the default: {MAX_CARDS})")
     if True:      # full fine-tuning too: when it does not fit, LoRA with these is the change tried (_cheaper)
         _positive_int("--lora-r", lora_r, "LoRA's rank", 16)
-        unknown = [t for t in targets if t not in LORA_TARGETS]
-        if unknown or not targets:
+        unknown = [t for t in targets or () if t not in allowed]
+        if targets is not None and (unknown or not targets):
             raise WillItFitError(f"--targets {','.join(targets)!r}: "
-                                 + (f"no layer {', '.join(unknown)} in a Llama-family decoder" if unknown
-                                    else "no layer named") + f"; give some of {','.join(LORA_TARGETS)}")
+                                 + (f"no layer {', '.join(unknown)} in {what}" if unknown
+                                    else "no layer named") + f"; give some of {','.join(allowed)}")
 
 
 def _card_pair(cards):

@@ -12,6 +12,11 @@ Your own decoder's config.json (Llama, Mistral, Qwen2), or a hub name (its confi
     python scripts/will_it_fit.py --model path/to/config.json --cards "RTX 4090" --method qlora
     python scripts/will_it_fit.py --model Qwen/Qwen2.5-3B --cards 2x16 --method lora --lora-r 8
 
+Any causal LM transformers builds (a config.json, or a hub name already in your huggingface cache), and the
+Stable Diffusion UNets (sd-1.5, sd-2.1, sdxl, or a UNet's config.json; at their native resolution):
+    python scripts/will_it_fit.py --model sd-1.5 --cards "2 x RTX 3060" --method full
+    python scripts/will_it_fit.py --model path/to/gemma/config.json --cards "RTX 4090" --method lora
+
 Then check that the chosen plan trains the same model as one process does, at tiny scale on 2 CPU ranks (gloo):
     python scripts/will_it_fit.py --model llama-2-7b --cards 2x24GiB --method lora --check
 
@@ -31,6 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from course_utils.model_zoo import UNETS  # noqa: E402
+from course_utils.true_size import LlamaShape  # noqa: E402
 from course_utils.will_it_fit import (GLOBAL_BATCH, MAX_CARDS, MODELS, WillItFitError, check_plan,  # noqa: E402
                                       default_cache_dir, will_it_fit)
 
@@ -59,7 +66,8 @@ def _join_values(argv):
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help=f"{', '.join(MODELS)}, a config.json (or its folder), or a hub name")
+    p.add_argument("--model", required=True, help=f"{', '.join(list(MODELS) + list(UNETS))}, a config.json (a "
+                                                  "transformers causal LM or a diffusers UNet), or a cached hub name")
     p.add_argument("--cards", required=True, help="count x memory (2x16GiB) or count x a card's name ('2 x RTX 3060', "
                                                   "2xrtx3060-8gb, 8xA100-80); one card: 'RTX 4090'")
     p.add_argument("--method", default="lora", choices=["full", "lora", "qlora"])
@@ -72,7 +80,8 @@ def parse_args(argv=None):
                    help="mixed: bf16 compute (full: fp32 master + moments, bf16 weights and gradients; LoRA: a bf16 "
                         "base); fp32: everything in fp32")
     p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--targets", default="q_proj,v_proj", help="LoRA's target modules, comma-separated")
+    p.add_argument("--targets", default=None, help="LoRA's target modules, comma-separated (default: q_proj,v_proj; "
+                                                   "a UNet's to_q,to_k,to_v,to_out.0)")
     p.add_argument("--workers", type=int, default=None, help="processes measuring at once (default: 2 if there are)")
     p.add_argument("--max-cards", type=int, default=MAX_CARDS,
                    help="when nothing fits, the most cards searched (2 ... 8, then whole nodes of 8; default "
@@ -87,7 +96,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="DTensor random operators")
-    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    targets = None if args.targets is None else tuple(t.strip() for t in args.targets.split(",") if t.strip())
     try:
         plan = will_it_fit(args.model, args.cards, method=args.method, seq_len=args.seq_len,
                            micro_batch=args.micro_batch, lora_r=args.lora_r, targets=targets,
@@ -103,7 +112,12 @@ def main(argv=None):
         if row is None:
             print("--check: no plan to check", file=sys.stderr)
             return 1
-        ok, diff, got, ref = check_plan(plan.shape, row.method, row.strategy, row.checkpoint, args.lora_r, targets)
+        if not isinstance(plan.shape, LlamaShape):
+            print(f"--check trains a tiny Llama-family decoder; it has no tiny {plan.shape.name} to train "
+                  "(lesson 18 trains a tiny UNet with DDP and FSDP2 against one process)", file=sys.stderr)
+            return 1
+        ok, diff, got, ref = check_plan(plan.shape, row.method, row.strategy, row.checkpoint, args.lora_r,
+                                        plan.targets)
         print(f"check: {row.label} on 2 CPU ranks (gloo) against one process, a 2-block {plan.shape.name} with "
               f"the same layer types, {len(got)} steps: largest loss difference {diff:.1e} -> "
               f"{'the same training' if ok else 'NOT the same training'}")
