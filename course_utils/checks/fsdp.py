@@ -6,6 +6,9 @@ Call them INSIDE a ``%%ddp`` cell: every rank runs the same checks, and every ra
 
 ``compare_with_one_process`` is also what tests/test_micro_fsdp.py uses to prove the reference: it
 trains a wrapper and one process side by side and returns the first difference, in words.
+
+``check_fit_tighter`` is 14_will_it_fit's: a MicroFSDP plan for the headline model, measured on 4 ranks against a
+4-unit budget.
 """
 import torch
 import torch.distributed as dist
@@ -430,3 +433,107 @@ def check_micro_fsdp(make):
               "tied weights); freed after forward; one reduce-scatter per unit in every backward, no all-reduce."
               + (" That was the course's solution (course_utils.fsdp.MicroFSDP, USE_SOLUTION = True): set "
                  "USE_SOLUTION = False to check yours." if make is MicroFSDP else ""))
+
+
+# -- 14_will_it_fit, Going further: fit it tighter ------------------------------------------------------------------
+
+FIT_BUDGET_UNITS = 4          # the exercise's budget per rank at W = 4: half a unit above the 3.5-unit state share
+
+
+def solution_fit_tighter(model):
+    """The course's answer to 14_will_it_fit's "Fit it tighter": compute in bf16 over the fp32 shards (the ZeRO
+    paper's mixed precision: the same training), which halves the activations and the gathered weights."""
+    from course_utils.fsdp import MicroFSDP
+
+    return MicroFSDP(model, prefetch=False, compute_dtype=torch.bfloat16)
+
+
+def _headline(vocab_size):
+    """Lesson 14's headline GPT (48 blocks of width 64), checkpointed per block, as its 4-rank cell builds it."""
+    from course_utils.fsdp import checkpoint_blocks
+    from course_utils.gpt import make_gpt
+
+    return checkpoint_blocks(make_gpt(vocab_size, seed=0, n_layer=48, n_embd=64))
+
+
+def _fit_problem(tighter, vocab_size, budget_units, measured):
+    """None if ``tighter(model)`` trains lesson 14's headline model as the same training within ``budget_units``
+    per rank; else why not. ``measured`` receives this rank's figures."""
+    from course_utils.fsdp import MicroFSDP
+    from course_utils.memory import least_peak
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = _headline(vocab_size)
+    N = sum(p.numel() for p in model.parameters())
+    B = sum(p.numel() for p in model.blocks[0].parameters())
+    R = N - sum(p.numel() for p in model.blocks.parameters())     # the root: embeddings, final norm, head
+    unit = 16 * N / 14
+    try:
+        wrapped = tighter(model)
+    except NotImplementedError:
+        return ("tighter() still raises NotImplementedError: return MicroFSDP(model, prefetch=False, ...) with the "
+                "change you measured to fit in 4 units")
+    except Exception as exc:  # noqa: BLE001 (the learner's code: any error becomes the verdict)
+        return _raised("tighter(model)", exc)
+    if not isinstance(wrapped, MicroFSDP):
+        return (f"tighter(model) returned {type(wrapped).__name__}, not the MicroFSDP around model: every rank would "
+                "hold the whole model (14 units); return MicroFSDP(model, prefetch=False, ...)")
+    counts = torch.tensor([float(sum(p.numel() for p in wrapped.parameters() if p.requires_grad))])
+    dist.all_reduce(counts)
+    if counts.item() < N:
+        return (f"the ranks train {int(counts.item()):,} parameters together, fewer than the model's {N:,}: a frozen "
+                "or dropped parameter is another training")
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    batch = torch.randint(vocab_size, (2 * ws, 32), generator=torch.Generator().manual_seed(0))
+    mine = batch[rank * 2:(rank + 1) * 2]                          # 2 micro-batches of 1 per rank, as the cell's
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        for micro in mine.split(1):
+            logits = wrapped(micro)
+            (F.cross_entropy(logits.flatten(0, 1).float(), micro.flatten()) / len(mine)).backward()
+        optimizer.step()
+
+    before = [p.detach().clone() for p in wrapped.parameters()]
+    step()                                                         # the optimizer's state exists from here on
+    if all(torch.equal(a, p.detach()) for a, p in zip(before, wrapped.parameters())):
+        return "no shard moved in a training step: the optimizer must step wrapped.parameters(), the shards"
+    peak = least_peak(step, wrapped, optimizer)                    # the least of 3 steps: a late free only adds
+    total = peak["total"] + 4 * B + 4 * B                          # + the all-gather's copy, + a late free
+    worst = torch.tensor([total / unit])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)                   # the rank that needs the most decides
+    measured.update(units=worst.item(), compute_dtype=wrapped.compute_dtype)
+    if worst.item() <= budget_units:
+        return None
+    kinds = ", ".join(f"{k.replace('_', ' ')} {v / unit:.2f}" for k, v in peak.items()
+                      if k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries"))
+    hint = ""
+    if wrapped.compute_dtype == torch.float32 and wrapped.reshard_root:
+        hint = (f" reshard_root=True frees the root's gathered weights after forward, but the root is "
+                f"{4 * R / unit:.2f} units here and "
+                "not what sets the peak.")
+    return (f"your plan peaks at {worst.item():.2f} units on the fullest rank (the all-gather's copy and a late "
+            f"free counted), over the {budget_units}-unit budget by {worst.item() - budget_units:.2f}. At this "
+            f"rank's peak: {kinds}.{hint} The state share (parameters, gradients, optimizer state) cannot shrink "
+            "at W = 4; what is left to shrink is the activations and the temporaries of each block's compute")
+
+
+def check_fit_tighter(tighter, budget_units=FIT_BUDGET_UNITS):
+    """14_will_it_fit's "Fit it tighter", on the lesson's 4 ranks: ``tighter(model)`` -> the MicroFSDP around
+    ``model`` (the checkpointed headline GPT) with the change that fits ``budget_units`` per rank. The checker
+    builds the model, trains it as the lesson's 4-rank cell does (fp32 AdamW over the shards, 2 micro-batches of
+    1), measures its peak, and says whether it fits as the same training, or by how much it misses and where.
+    Returns the verdict in words; raises ``AssertionError`` (every rank the same) when it does not fit."""
+    from course_utils.gpt import CharTokenizer, load_corpus
+
+    if not dist.is_initialized() or dist.get_world_size() != 4:
+        raise AssertionError("check_fit_tighter runs in the lesson's 4-rank %%ddp cell (%%ddp -n 4): the budget "
+                             "is per rank at W = 4")
+    vocab_size = CharTokenizer(load_corpus()).vocab_size
+    measured = {}
+    _verdict(_agree(_fit_problem(tighter, vocab_size, budget_units, measured)))
+    units = measured["units"]
+    how = ("bf16 compute over the fp32 shards halves the activations and the gathered weights; the 3.5-unit state "
+           "share is unchanged" if measured["compute_dtype"] == torch.bfloat16 else "the state share is unchanged")
+    return (f"fits: {units:.2f} of {budget_units} units per rank ({1 - units / budget_units:.1%} headroom, the "
+            f"all-gather's copy and a late free counted), with fp32 shards and AdamW state: the same training. {how}")
