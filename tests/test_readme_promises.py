@@ -42,7 +42,8 @@ SECOND_DEATH = textwrap.dedent("""
     import os, signal
     from course_utils import Cluster
     from course_utils.engine import _forkstart
-    WHERE = "import sys\\nsys.modules['course_utils.engine._worker'].__name__"  # '__main__': a fresh interpreter
+    # who started the rank: a fork server, or this process itself (a fresh interpreter)
+    WHERE = "import os\\n'this process' if os.getppid() == %d else 'a fork server'" % os.getpid()
     _forkstart.start_second_server = lambda: None
     ask, dies = _forkstart.Server.ask, []
 
@@ -77,9 +78,9 @@ def test_a_second_server_death_falls_back_to_fresh_interpreters_with_one_note():
     proc = subprocess.run([sys.executable, "-c", SECOND_DEATH], capture_output=True, text=True, timeout=300,
                           env=CHILD_ENV, cwd=ROOT, start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    forked, fresh = "['course_utils.engine._worker', 'course_utils.engine._worker']", "['__main__', '__main__']"
+    forked, fresh = "['a fork server', 'a fork server']", "['this process', 'this process']"
     assert proc.stdout.splitlines() == [f"first {forked}", f"after one death {forked}", "a new server True",
-                                        f"after two deaths {fresh}", "and after ['__main__']"], proc.stdout
+                                        f"after two deaths {fresh}", "and after ['this process']"], proc.stdout
     assert proc.stderr.count("note: the ranks start as fresh interpreters") == 1, proc.stderr[-3000:]
     assert "died while forking a rank" in proc.stderr, "the note says why"
 

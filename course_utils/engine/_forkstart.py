@@ -281,21 +281,28 @@ class Server:
 
 
 @contextlib.contextmanager
-def _sigint_ignored():
-    """Jupyter's stop button signals the kernel's whole process group, and the server is in it: a server started
-    with SIGINT ignored keeps ignoring it (Python installs its own handler only over the default one), also while
-    it imports torch, so an early stop cannot kill it."""
+def _sigint_held(stopped):
+    """While the server starts, a stop in this process is recorded in ``stopped`` (the caller delivers it once the
+    server is recorded), never lost: tests/test_engine_edges.py::test_the_stop_button_works_while_the_fork_server_
+    imports_torch."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, old)
 
 
-def _start_server():
+def _ignore_sigint():
+    """In the server's child before its exec: Jupyter's stop button signals the kernel's whole process group, and
+    the server is in it; started with SIGINT ignored it keeps ignoring it (Python installs its own handler only
+    over the default one), also while it imports torch, so an early stop cannot kill it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_server(stopped):
     """Start A: a fresh interpreter with this process's path and environment; it imports PRELOAD in the background
     (the first fork request waits for that)."""
     mine, theirs = socket.socketpair()  # neither end is inherited by anything else this process starts
@@ -305,15 +312,27 @@ def _start_server():
             "from course_utils.engine._forkstart import serve; serve(**args)")
     args = {"fd": theirs.fileno(), "parent": os.getpid(), "path": sys.path, "preload": PRELOAD}
     try:
-        with _sigint_ignored():
+        with _sigint_held(stopped):
             popen = subprocess.Popen([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code,
-                                      json.dumps(args)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                      json.dumps(args)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     preexec_fn=_ignore_sigint)
     except BaseException:
         mine.close()
         raise
     finally:
         theirs.close()
     return Server(mine, popen.pid, popen)
+
+
+def _start_recorded():
+    """Start a server and record it in _state; a stop pressed meanwhile acts once it is recorded (so the server
+    is never lost to the KeyboardInterrupt)."""
+    stopped = []
+    _state["ctx"] = _start_server(stopped)
+    handler = signal.getsignal(signal.SIGINT)
+    if stopped and callable(handler):
+        handler(signal.SIGINT, None)
+    return _state["ctx"]
 
 
 def wanted():
@@ -332,7 +351,7 @@ def context():
             try:
                 if not hasattr(os, "fork") or not hasattr(socket, "send_fds"):
                     raise OSError("this system cannot fork or pass file descriptors")
-                _state["ctx"] = _start_server()
+                _state["ctx"] = _start_recorded()
             except Exception as exc:  # an unusual platform: fresh interpreters, said once
                 _state["failed"] = f"could not start ({type(exc).__name__}: {exc})"
         if _state["failed"] is not None and not _state["noted"]:
@@ -363,7 +382,7 @@ def restart(reason):
         if old is not None and not _state["restarted"]:
             _state["restarted"] = True
             try:
-                _state["ctx"] = _start_server()
+                _state["ctx"] = _start_recorded()
                 return _state["ctx"]
             except Exception as exc:
                 reason = f"{reason}; a new one did not start either ({type(exc).__name__}: {exc})"

@@ -136,6 +136,15 @@ def _where(frames):
     return text
 
 
+def _in_collective(frames):
+    """Whether the learner's innermost line is inside a torch.distributed call: the engine releases such a rank, so
+    the report reads "was waiting in all_reduce() ... and was released" whether the release or the report came
+    first (lesson 00's stored failure reports; tests/test_engine_edges.py)."""
+    frames = list(frames)
+    user = [i for i, f in enumerate(frames) if f.filename in _SOURCES]
+    return bool(user) and any("torch/distributed/" in f.filename.replace(os.sep, "/") for f in frames[user[-1] + 1:])
+
+
 _SOURCES = set()  # filenames of code sent by the notebook (cells and functions)
 
 
@@ -602,6 +611,7 @@ class Worker:
                     "run_id": self.run_id,
                     "stack": "".join(traceback.format_list(stack)),
                     "where": _where(stack),
+                    "collective": _in_collective(stack),
                 }))
             elif kind == "abort":  # drop our connections so that every rank stuck in a collective errors out
                 if self.busy:

@@ -145,6 +145,8 @@ def describe(rank, results, stacks, first):
             return f"was waiting{where} and was released"
         return f"{'raised' if rank == first else 'then raised'} {payload['type']}{where}"
     info = stacks.get(rank)
+    if info and info.get("where") and info.get("collective"):  # released with the rest: as if its reply had come
+        return f"was waiting {info['where']} and was released"
     if info and info.get("where"):
         return f"was running {info['where']}"
     return "was running"
