@@ -1,6 +1,5 @@
 """How pytest-xdist shares every run of this repository's tests between its workers (pyproject.toml's addopts run
-``-n 3 --dist loadscope``: three workers on CI's 2 cores, so that one worker's waits (a
-subprocess starting, a rendezvous, a timeout a test provokes, JupyterLab in Chromium) overlap the others' work). It lives at the repository's root because pytest loads it for any path below, the
+``-n 2 --dist loadscope``). It lives at the repository's root because pytest loads it for any path below, the
 notebooks included (`pytest notebooks/03_all_reduce_by_hand.ipynb` does not load tests/conftest.py, which holds
 the suite's fixtures).
 
@@ -8,7 +7,7 @@ the suite's fixtures).
 - A test module is one unit (its classes included): its module-scoped clusters and fixtures start once, on one
   worker.
 - Work that times itself shares one unit, ``timed``: those modules and lessons run one after another on one
-  worker, never beside each other (the other workers still run untimed work beside them: their asserts and
+  worker, never beside each other (the other worker still runs untimed work beside them: their asserts and
   code-chosen sentences hold on a busy machine, as CONTRIBUTING's rule for stored outputs asks of every lesson).
 - The longest units start first (lessons by their stored execution times), so that no worker idles at the end
   while the other finishes a long notebook.
@@ -41,7 +40,7 @@ TIMED = {
     "notebooks/10_tradeoffs.ipynb", "notebooks/15_beyond_data_parallelism.ipynb",
 }
 # A module known to take long on 2 cores starts early (seconds on a quiet 2-core machine; a guess is enough: the
-# order only balances the workers). Lessons use their stored execution times instead.
+# order only balances the two workers). Lessons use their stored execution times instead.
 LONG_MODULES = {"tests/test_browser.py": 120, "tests/test_late_free.py": 60, "tests/test_finetune_script.py": 120, "tests/test_scale_out.py": 90,
                 "tests/test_readme_promises.py": 90, "tests/test_kernel.py": 90,
                 "tests/test_site.py": 90}  # one `make site` (about 45 s) shared by its page and Chromium checks

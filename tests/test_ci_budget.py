@@ -232,7 +232,7 @@ def test_a_module_with_two_classes_runs_on_one_worker(tmp_path):
     conftest.py applies only there) for the nested run alone."""
     text = (ROOT / "pyproject.toml").read_text()
     addopts = re.search(r'^addopts = "(.*)"', text, re.M).group(1).split()
-    assert addopts[:4] == ["-n", "3", "--dist", "loadscope"], addopts
+    assert addopts[:4] == ["-n", "2", "--dist", "loadscope"], addopts
     probe = ROOT / "tests" / f".xdist-probe-{os.getpid()}"
     try:
         probe.mkdir()

@@ -302,7 +302,7 @@ def _ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _start_server(stopped):
+def _start_server():
     """Start A: a fresh interpreter with this process's path and environment; it imports PRELOAD in the background
     (the first fork request waits for that)."""
     mine, theirs = socket.socketpair()  # neither end is inherited by anything else this process starts
@@ -312,10 +312,9 @@ def _start_server(stopped):
             "from course_utils.engine._forkstart import serve; serve(**args)")
     args = {"fd": theirs.fileno(), "parent": os.getpid(), "path": sys.path, "preload": PRELOAD}
     try:
-        with _sigint_held(stopped):
-            popen = subprocess.Popen([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code,
-                                      json.dumps(args)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                     preexec_fn=_ignore_sigint)
+        popen = subprocess.Popen([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code,
+                                  json.dumps(args)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                 preexec_fn=_ignore_sigint)
     except BaseException:
         mine.close()
         raise
@@ -328,7 +327,8 @@ def _start_recorded():
     """Start a server and record it in _state; a stop pressed meanwhile acts once it is recorded (so the server
     is never lost to the KeyboardInterrupt)."""
     stopped = []
-    _state["ctx"] = _start_server(stopped)
+    with _sigint_held(stopped):
+        _state["ctx"] = _start_server()
     handler = signal.getsignal(signal.SIGINT)
     if stopped and callable(handler):
         handler(signal.SIGINT, None)
