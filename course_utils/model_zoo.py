@@ -364,8 +364,7 @@ def measure_model_step(spec, world_size=1, strategy="fsdp2", mixed_precision=Fal
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from course_utils.memory import _step_peak_tracker, skip_frozen
-    from course_utils.true_size import _fsdp_step_peak_tracker, _kinds, _restart_peak, fake_world
+    from course_utils.true_size import fake_world, step_result, tracked_step
 
     t0 = time.perf_counter()
     with fake_world(world_size):
@@ -416,29 +415,8 @@ def measure_model_step(spec, world_size=1, strategy="fsdp2", mixed_precision=Fal
             if warmup:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if strategy == "fsdp2":
-                tracker = _fsdp_step_peak_tracker(model, optimizer)
-            else:
-                tracker = _step_peak_tracker()
-                tracker.track_external(model, optimizer)
-            skip_frozen(tracker, model)
-            phases = {}
-            with tracker:
-                loss = forward()
-                phases["forward"] = _kinds(tracker.get_tracker_snapshot("peak"))
-                _restart_peak(tracker)
-                loss.backward()
-                del loss
-                phases["backward"] = _kinds(tracker.get_tracker_snapshot("peak"))
-                _restart_peak(tracker)
-                optimizer.step()
-                phases["step"] = _kinds(tracker.get_tracker_snapshot("peak"))
-                optimizer.zero_grad(set_to_none=True)
-    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-    phases.update(n_params=n_params, n_trainable=n_trainable, seconds=time.perf_counter() - t0,
-                  param_dtype=dtypes.pop() if len(dtypes) == 1 else None,
-                  autocast=bool(mixed_precision and strategy == "replica"), foreach=bool(foreach))
-    return phases
+            phases = tracked_step(model, optimizer, forward, strategy)
+    return step_result(phases, model, n_params, n_trainable, t0, mixed_precision, strategy, foreach)
 
 
 def _retie(model, spec, strategy):

@@ -266,8 +266,6 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
             idx = torch.randint(shape.vocab_size, (micro_batch_size, seq_len))
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision and strategy == "replica"
                         else contextlib.nullcontext())
-            phases = {}
-
             def forward():
                 with autocast:
                     logits = model(idx)
@@ -286,23 +284,38 @@ def measure_step(shape, world_size=1, strategy="fsdp2", mixed_precision=False, m
             if warmup:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if strategy == "fsdp2":
-                tracker = _fsdp_step_peak_tracker(model, optimizer)
-            else:
-                tracker = _step_peak_tracker()         # MemTracker without its per-module peaks: same global peak
-                tracker.track_external(model, optimizer)
-            skip_frozen(tracker, model)                # a frozen base (LoRA): no gradient hook on it
-            with tracker:
-                loss = forward()
-                phases["forward"] = _kinds(tracker.get_tracker_snapshot("peak"))
-                _restart_peak(tracker)
-                loss.backward()
-                del loss
-                phases["backward"] = _kinds(tracker.get_tracker_snapshot("peak"))
-                _restart_peak(tracker)
-                optimizer.step()
-                phases["step"] = _kinds(tracker.get_tracker_snapshot("peak"))
-                optimizer.zero_grad(set_to_none=True)
+            phases = tracked_step(model, optimizer, forward, strategy)
+    return step_result(phases, model, n_params, n_trainable, t0, mixed_precision, strategy, foreach)
+
+
+def tracked_step(model, optimizer, forward, strategy):
+    """One forward, backward and optimizer step under the step's tracker: the peak per kind of each phase (FSDP2's
+    tracker for ``strategy == "fsdp2"``, MemTracker without its per-module peaks otherwise: the same global peak).
+    measure_step and model_zoo.measure_model_step share it, so a course shape and a library model are measured
+    alike (tests/test_model_zoo.py's cross-check)."""
+    if strategy == "fsdp2":
+        tracker = _fsdp_step_peak_tracker(model, optimizer)
+    else:
+        tracker = _step_peak_tracker()
+        tracker.track_external(model, optimizer)
+    skip_frozen(tracker, model)                # a frozen base (LoRA): no gradient hook on it
+    phases = {}
+    with tracker:
+        loss = forward()
+        phases["forward"] = _kinds(tracker.get_tracker_snapshot("peak"))
+        _restart_peak(tracker)
+        loss.backward()
+        del loss
+        phases["backward"] = _kinds(tracker.get_tracker_snapshot("peak"))
+        _restart_peak(tracker)
+        optimizer.step()
+        phases["step"] = _kinds(tracker.get_tracker_snapshot("peak"))
+        optimizer.zero_grad(set_to_none=True)
+    return phases
+
+
+def step_result(phases, model, n_params, n_trainable, t0, mixed_precision, strategy, foreach):
+    """``phases`` with what the step ran: its counts, seconds since ``t0``, trainable dtype, autocast, foreach."""
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     phases.update(n_params=n_params, n_trainable=n_trainable, seconds=time.perf_counter() - t0,
                   param_dtype=dtypes.pop() if len(dtypes) == 1 else None,
