@@ -218,7 +218,7 @@ def measure():
         one.run("None")
     got["soon"] = time.perf_counter() - t0
     # right after the first start the second fork server imports torch._dynamo beside the ranks (2 cores: they share
-    # them); then the warm round trip as a learner's next cells see it, after a few seconds idle (issue 41's method)
+    # them); then the warm round trip as a learner's next cells see it, after a few seconds idle
     got["warm4_soon"] = warm_round_trips(c, n=200)
     time.sleep(4)
     got["warm4"] = warm_round_trips(c)

@@ -28,7 +28,7 @@ and what passed:
   two devices) fails the check; any other error (a cell written for several ranks, a name from a notebook
   cell that runs outside the ranks) is reported, not failed;
 - last, that this process, which started every cluster above as a notebook does, never initialised CUDA
-  (``torch.cuda.is_initialized()``): the README's promise, since a fork of a process with CUDA initialised breaks.
+  (``torch.cuda.is_initialized()``): docs/gpus.md's promise, since a fork of a process with CUDA initialised breaks.
 
 Exit code 0 when every check passed (or was skipped), 1 when one failed. Without CUDA it says so and exits 0
 with every row "skipped (no CUDA)".

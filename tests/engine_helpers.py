@@ -204,7 +204,7 @@ class Squares(torch.utils.data.Dataset):
 
 
 def check_multiprocessing_with_cell_code(cluster):
-    """What the README promises on a rank, on either start path: a Pool in every context maps a cell's function,
+    """What docs/engine.md promises on a rank, on either start path: a Pool in every context maps a cell's function,
     and instances of a cell's class (also one redefined by a later cell) come back as the rank's own class;
     a spawn DataLoader with 2 workers loads a cell's Dataset. Raises AssertionError naming the case that failed."""
     def run(code):  # the value on rank 0, the others checked equal; spawn children import torch: slow under load

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest tests/test_choose_backend.py -q
 
-The rule (README, "Running on GPUs"): NCCL when every rank can have its own GPU (N <= visible GPUs), else
+The rule (docs/gpus.md): NCCL when every rank can have its own GPU (N <= visible GPUs), else
 gloo on the CPU; ``--backend nccl`` with too few GPUs is an error that says so; ``--backend gloo`` is always
 gloo. The notebook process counts GPUs without initialising CUDA (NVML), so the fake replaces every way torch
 can report a count: ``torch.version.cuda`` (a CUDA build), ``torch.cuda._device_count_nvml``,

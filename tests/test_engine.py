@@ -192,7 +192,7 @@ def test_torch_dynamo_is_imported_before_the_first_cell_and_ddp_works():
     # import used to leave it half-registered (every later DDP on the rank failed), and imported after
     # init_process_group it kept the group alive (through torch.distributed.nn's defaults). Forked ranks get
     # it from the second fork server, which imports it after the first cluster started (_forkstart.LATER, off the
-    # first start's path); fresh interpreters import only torch.distributed.nn before their group (issue 30).
+    # first start's path); fresh interpreters import only torch.distributed.nn before their group.
     # A rank forked before B is ready comes from A and imports torch._dynamo itself, when it needs it: the test
     # waits until B says it is ready.
     from course_utils.engine import _forkstart
@@ -432,9 +432,13 @@ def test_interrupt_during_a_large_push_keeps_the_ranks_and_their_names(make_clus
     real = launcher._Rank.send
 
     def send_then_stop(self, msg):  # the stop button pressed in the middle of a frame
+        held = msg[0] == "push" and self.rank == 0
+        if held:  # rank 0 reads nothing while stopped: the pipe fills and the rest of the frame waits in outbox
+            os.kill(self.proc.pid, signal.SIGSTOP)
         real(self, msg)
-        if msg[0] == "push" and self.rank == 0:
+        if held:
             assert self.outbox, "the frame is still on its way"
+            os.kill(self.proc.pid, signal.SIGCONT)
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(launcher._Rank, "send", send_then_stop)

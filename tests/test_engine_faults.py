@@ -1,5 +1,5 @@
-"""The engine faults of the second code review (issue 24), each reproduced on 2 gloo ranks, and the
-engine promises of the tests audit (issue 25) that need the engine itself.
+"""The engine faults of the second code review, each reproduced on 2 gloo ranks, and the
+engine promises of the tests audit that need the engine itself.
 
 Each test failed on the engine before the fix. test_engine_spawn_start.py checks the start path of fresh
 interpreters on a few of them (a shared 2-rank cluster); the rest apply to the fork server's start.
@@ -103,7 +103,7 @@ def test_an_interrupt_while_the_fork_server_imports_torch_does_not_kill_it():
     assert "fresh interpreters" not in proc.stderr, f"fell back after a restartable failure:\n{proc.stderr}"
 
 
-# -- 2b. two fork servers: A never imports on the thread that serves forks (issue 41) ------------------
+# -- 2b. two fork servers: A never imports on the thread that serves forks ------------------
 TWO_SERVERS = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, sys.argv[1])          # the slow probe module, on the servers' path too
@@ -233,7 +233,7 @@ def test_a_reply_left_unread_by_an_interrupted_request_is_never_taken_for_the_ne
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
 def test_a_dead_ranks_exit_code_is_read_before_its_server_reaps_it():
     """A forked rank's parent is a fork server; until that server reaps it, /proc keeps its wait status
-    (_forkstart.zombie_exit_code), so a busy server no longer delays the report of a death (issue 41)."""
+    (_forkstart.zombie_exit_code), so a busy server no longer delays the report of a death."""
     import signal
     import time
 
@@ -260,7 +260,7 @@ def test_a_dead_ranks_exit_code_is_read_before_its_server_reaps_it():
 # -- 3 and 4. what a fresh interpreter would have ---------------------------------------------------
 def test_every_rank_and_every_restart_draws_its_own_random_state(make_cluster):
     c = make_cluster(2, timeout=30)
-    # torch's, numpy's and Python's own random state (the README: "Python's `random` reseeds itself at a fork")
+    # torch's, numpy's and Python's own random state (docs/engine.md: "Python's `random` reseeds itself at")
     code = ("import random, torch, numpy\n"
             "(torch.initial_seed(), float(torch.rand(())), float(numpy.random.rand()), random.getrandbits(64))")
     names = ("torch's seed", "torch.rand", "numpy.random", "Python's random")
@@ -397,7 +397,7 @@ def test_two_ranks_that_die_are_both_named(make_cluster):
     assert text.startswith("rank 1 died: it exited with code 6") and "rank 2: exited with code 7" in text, text
 
 
-# -- issue 25: a start slow enough to stop ------------------------------------------------------------
+# -- a start slow enough to stop ------------------------------------------------------------
 def test_interrupt_while_the_ranks_start_leaves_no_rank_running(monkeypatch):
     """Run alone, first or after other tests, on either start path: the ranks are found wherever they are
     (children of the fork server, which this very start may create, or of this process). One stop, as one
@@ -499,7 +499,7 @@ def test_the_capstone_script_frees_its_process_group_before_the_interpreter_ends
             f"the destroyed group's gloo threads outlive main(): {line}"
 
 
-# -- README promises off Linux -----------------------------------------------------------------------
+# -- docs/engine.md's "Supported systems" off Linux ----------------------------------------------------
 def test_ranks_start_as_fresh_interpreters_by_default_off_linux(monkeypatch):
     monkeypatch.delenv("COURSE_UTILS_START", raising=False)
     monkeypatch.setattr(sys, "platform", "darwin")
@@ -551,7 +551,7 @@ def test_a_spawn_rank_that_drops_its_ddp_and_group_ends_cleanly_every_time():
         assert spawn(demo, args=(2,), nprocs=2, timeout=60) == [0, 1]
 
 
-# -- issue 41: a command's cost does not grow with what the ranks hold -----------------------------------------
+# -- a command's cost does not grow with what the ranks hold -----------------------------------------
 COUNT_COLLECTIONS = """
 import gc
 if not hasattr(gc, "_counted"):
@@ -604,7 +604,7 @@ def test_a_rank_skips_the_libraries_finalizers_at_its_end_but_runs_the_cells(tmp
 
 
 def test_shutdown_all_stops_every_cluster_even_when_one_refuses(monkeypatch):
-    """%ddp shutdown stopped at the first cluster that raised (a busy one) and left the rest running (issue 41)."""
+    """%ddp shutdown stopped at the first cluster that raised (a busy one) and left the rest running."""
     from course_utils.engine import launcher
 
     first, second = Cluster(world_size=1, backend="gloo"), Cluster(world_size=1, backend="gloo")

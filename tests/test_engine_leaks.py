@@ -1,4 +1,4 @@
-"""The engine's third review (issue 30): what a rank keeps, how it ends, and what it says.
+"""The engine's third review: what a rank keeps, how it ends, and what it says.
 
 A rank kept every process group it ever made (against torch 2.13's deadlock in ~ProcessGroupGloo), so
 each ``new_group``/``destroy`` pair and each recovery leaked 4-5 fds and 3 threads until the fds ran out.

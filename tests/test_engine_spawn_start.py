@@ -70,7 +70,7 @@ def test_ranks_are_fresh_interpreters_with_torchruns_environment_and_their_share
 
 
 def test_torch_distributed_nn_comes_before_the_group_torch_dynamo_later_and_ddp_works(fresh):
-    """torch._dynamo (1-4 s) was imported on every start of a fresh interpreter (issue 30); torch.distributed.nn
+    """torch._dynamo (1-4 s) was imported on every start of a fresh interpreter; torch.distributed.nn
     must come before the group, or its default arguments capture it once torch._dynamo imports it."""
     assert AT_START["imports"] == [(True, False)] * 2, AT_START
     got = fresh.run("import torch, torch.distributed as dist\n"

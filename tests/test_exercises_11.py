@@ -253,7 +253,7 @@ class StaleWork(nn.Module):
 
 
 class ResetInForwardOnly(StaleWork):
-    """Lesson 11's MyMicroDDP as stored before issue 42: right on every forward-backward pair, but only forward
+    """Lesson 11's MyMicroDDP with one slip: right on every forward-backward pair, but only forward
     resets `queued` (and the next bucket, the ready sets), so a second backward through a retained graph queues no
     finish, launches no bucket, and silently leaves this rank's local gradient added to the first average."""
 
@@ -394,7 +394,7 @@ def _micro_ddp_verdict(kind, rebuild=False):
     # launched in ready order, not bucket order: right while every rank's backward runs in the same order
     ("per-parameter-async", ["another order on each rank", "strictly in bucket order", "rank 0's a is summed"]),
     ("stale-work", ["a backward in which one layer takes no part", "stale result", "raise an error"]),
-    # a second backward through a retained graph has no forward before it (issue 42)
+    # a second backward through a retained graph has no forward before it
     ("reset-in-forward-only", ["a second backward through a retained graph", "LOCAL gradient of the second",
                                "reset only in forward", "at the end of finish"]),
     ("reset-in-finish-keeps-next-bucket", ["a second backward through a retained graph", "raised AttributeError",

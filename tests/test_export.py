@@ -1,7 +1,7 @@
 """``%ddp export PATH``: the %%ddp cells become a torchrun script that prints, rank by rank, what the
-ranks printed and showed in the notebook (issue 17, fault 3).
+ranks printed and showed in the notebook.
 
-Backend-aware (issue 22): on a machine with 2 or more GPUs the kernel's ``%%ddp -n 2`` cells run on NCCL with
+Backend-aware: on a machine with 2 or more GPUs the kernel's ``%%ddp -n 2`` cells run on NCCL with
 ``device = cuda:rank``, so the cells build their tensors on ``device`` and the script runs with the same GPUs
 visible; elsewhere both run on gloo with the GPUs hidden (``torchrun_env``), as before."""
 import ast

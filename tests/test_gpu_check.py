@@ -111,7 +111,7 @@ def test_only_a_device_error_fails_a_lesson(gpu_check):
 
 
 def test_the_last_check_fails_when_the_notebook_process_initialised_cuda(gpu_check, monkeypatch):
-    """The README's promise ("the notebook process never initialises CUDA itself") on the GPU: the check that runs
+    """docs/gpus.md's promise ("the notebook process never initialises CUDA itself") on the GPU: the check that runs
     last asks torch.cuda.is_initialized() in the script's own process, which started every cluster."""
     import types
 

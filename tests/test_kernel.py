@@ -1,7 +1,7 @@
 """The %%ddp magic in a real IPython kernel, driven through jupyter_client as JupyterLab drives it:
 the stop button (SIGINT to the kernel), and a kernel that dies must not leave workers behind.
 
-Backend-aware (issue 22): the kernel's ``%%ddp -n 2`` picks NCCL on a machine with 2 or more GPUs, so what
+Backend-aware: the kernel's ``%%ddp -n 2`` picks NCCL on a machine with 2 or more GPUs, so what
 the tests expect (the backend named by ``%ddp status``, which ``--backend nccl`` is a bad option) comes from
 ``choose_backend`` and the GPU count of this machine, not from an assumption of gloo."""
 import os

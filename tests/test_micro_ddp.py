@@ -625,7 +625,7 @@ def test_the_overlap_verdict_follows_the_waits(rebuilt_wait, expected):
 
 def test_the_gloo_failure_is_described_from_the_outcome():
     """Lesson 09 runs torch's powerSGD_hook with 3 buckets on gloo: a deadlock or a collective mismatch, chosen by
-    thread timing (issue 42: it was a snippet that never ran). The sentence follows what happened."""
+    thread timing. The sentence follows what happened."""
     from course_utils import DistributedError, DistributedTimeout
     from course_utils.micro_ddp import describe_gloo_failure
 

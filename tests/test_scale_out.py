@@ -1,4 +1,4 @@
-"""scripts/train_micro_ddp.py launched the ways the README shows (its "Going multi-node" section):
+"""scripts/train_micro_ddp.py launched the ways docs/multi-node.md shows:
 
 - ``torchrun --standalone --nproc-per-node=4`` (one node, 4 processes);
 - two "nodes" x 2 ranks on loopback, with the static rendezvous (``--master-addr/--master-port``) and with
@@ -47,7 +47,7 @@ class Run:
 
 @pytest.fixture(scope="module")
 def one_node():
-    """The README's one-node command; --standalone picks its own free port, so nothing can clash."""
+    """docs/multi-node.md's one-node command; --standalone picks its own free port, so nothing can clash."""
     proc = start_torchrun("--standalone", "--nproc-per-node=4", script=SCRIPT, script_args=TRAIN_ARGS)
     try:
         run = Run("1 node x 4 (--standalone)", finish(proc, "torchrun --standalone --nproc-per-node=4"))
@@ -82,7 +82,7 @@ def _assert_same_run(two, one):
 
 
 def test_two_nodes_with_static_rendezvous_match_one_node(torchrun, one_node):
-    def node_args(port, node_rank):  # the README's two lines, with MASTER=127.0.0.1
+    def node_args(port, node_rank):  # docs/multi-node.md's two lines, with MASTER=127.0.0.1
         return ["--nnodes=2", f"--node-rank={node_rank}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                 f"--master-port={port}", "--rdzv-backend=static"]
 
@@ -95,7 +95,7 @@ def test_two_nodes_with_static_rendezvous_match_one_node(torchrun, one_node):
 
 
 def test_two_nodes_with_elastic_c10d_rendezvous_match_one_node(torchrun, one_node):
-    def node_args(port, node_rank):  # the README's elastic form: the same line on every node
+    def node_args(port, node_rank):  # docs/multi-node.md's elastic form: the same line on every node
         return ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=test-scale-out"]
 

@@ -1,4 +1,4 @@
-"""course_utils.zero.ShardedOptimizer as a real torch.optim.Optimizer (issue 21, section 6), and ZeRO-2's
+"""course_utils.zero.ShardedOptimizer as a real torch.optim.Optimizer, and ZeRO-2's
 bucketed reduce-scatter during backward, on real 2-rank gloo processes. Each test compares against plain
 torch (DDP + the full optimizer) on the same data, from the same weights.
 

@@ -1,7 +1,7 @@
-"""scripts/train_micro_ddp.py outside torchrun's comfort zone: srun without torchrun (issue 17, fault 11), and
+"""scripts/train_micro_ddp.py outside torchrun's comfort zone: srun without torchrun, and
 the same fallback in the scripts %ddp export writes; the end of a run (fault 12: no rank may abort after
 final_loss, no gloo thread left at exit); a PowerSGD run whose rank is killed mid-way, resumed from its
---save-every checkpoint (issues 12 and 25).
+--save-every checkpoint.
 
 What the script decides (a resume refused, a finished run's loss) is checked by calling its ``main(argv)`` in
 this process (``_in_process``): the world of one that `python scripts/train_micro_ddp.py` forms, without paying
@@ -32,7 +32,7 @@ def _script():
     return module
 
 
-SRUN_2x2 = {  # what srun --nodes=2 --ntasks-per-node=2 sets for the second task of node 1, plus the README's lines
+SRUN_2x2 = {  # what srun --nodes=2 --ntasks-per-node=2 sets for the second task of node 1, plus the docs' lines
     "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
     "SLURM_TASKS_PER_NODE": "2(x2)", "RANK": "3", "WORLD_SIZE": "4",
 }
@@ -52,7 +52,7 @@ def test_srun_layout_is_read_from_slurm_not_guessed_from_the_world_size():
 
 
 def _srun_like(port, world_size=2, steps=2, script=SCRIPT, args=None, slurm=None):
-    """world_size plain processes on one 'node', with only the variables srun and the README's recipe set (no
+    """world_size plain processes on one 'node', with only the variables srun and docs/multi-node.md's recipe set (no
     torchrun variable); ``slurm(rank)`` may replace rank's SLURM_* variables."""
     procs = []
     for r in range(world_size):
@@ -248,7 +248,7 @@ def _killed_mid_way(script_args):
 
 def test_a_powersgd_run_killed_mid_way_resumes_bit_for_bit_and_refuses_another_world_size(uninterrupted, tmp_path,
                                                                                          capsys):
-    """The README's recipe (issues 12 and 25): --save-every N writes the checkpoint during the run; a rank killed
+    """docs/multi-node.md's recipe: --save-every N writes the checkpoint during the run; a rank killed
     mid-run ends the torchrun; the same line plus --resume continues from the last checkpoint and ends on the
     uninterrupted run's loss and checkpoint, bit for bit: weights, AdamW and every rank's PowerSGD error feedback
     and Q. PowerSGD's state is per rank, so 1 rank may not resume 2 ranks' run."""

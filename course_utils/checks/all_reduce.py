@@ -148,8 +148,8 @@ def _install_guard():
 
     from course_utils.allreduce import counting_send
 
-    if _SAVED:
-        return
+    if _SAVED:  # left half-installed by a rank the engine stopped inside a check: put the originals back first
+        _remove_guard()
     for name in COLLECTIVES:
         original = getattr(c10d, name, None)
         if original is None:

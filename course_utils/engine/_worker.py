@@ -452,7 +452,7 @@ class Worker:
                 is_master=self.rank == 0, timeout=datetime.timedelta(seconds=60),
                 wait_for_workers=False, **kw)
         # each restart's group under its own prefix. No prefix keeps other local processes out of the store: any can
-        # list its keys (TCPStore.list_keys); loopback keeps other machines out (README, "Safety")
+        # list its keys (TCPStore.list_keys); loopback keeps other machines out (docs/engine.md, "Safety")
         store = dist.PrefixStore(f"generation{self.generation}", self.store)
         if self.backend == "nccl":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # == rank on one node

@@ -29,6 +29,7 @@ from course_utils.engine.reports import (  # noqa: F401  (CellSyntaxError, Distr
     interrupt_error, plural, timeout_error, undecodable_info)
 
 RELEASE_S = 5.0        # how long releasing the ranks may take before they are replaced
+SETTLE_S = 1.0         # after a failure, how long the other ranks get to return on their own before the stop
 STACKS_S = 2.0         # how long the ranks' control threads get to say where each rank is
 FAILED_END_S = 0.3     # how long the ranks of a failed call get to end as a script does before they are killed
 EXIT_CODE_S = 0.5      # how long a dead rank's exit code may take to arrive (its pipe closed as it exited)
@@ -530,12 +531,14 @@ class Cluster:
         wait for it); after a death, on spawn()'s one-shot ranks, or when a rank is not released, the ranks are
         replaced. ``verdict``: the failure is a checker's verdict, and the other ranks run the same check: their
         collectives are aborted first and each gets up to RELEASE_S to reach its own verdict before it is
-        interrupted (a wrong answer is then reported once, for every rank). Returns a note for the report."""
+        interrupted (a wrong answer is then reported once, for every rank). Any other failure gives them SETTLE_S
+        after the abort: a rank a moment behind on the same line raises its own error, so a bug every rank hits is
+        blamed on the same rank every run (lesson 08's refused hook; tests/test_engine_faults.py). Returns a note
+        for the report."""
         results = self._done.setdefault(run_id, {})
         live = [rk for rk in self._ranks if not rk.dead]
         returned = lambda: all(rk.rank in results or rk.dead for rk in self._ranks)  # noqa: E731
-        if verdict:
-            self._ask_all(live, ("abort",), returned, RELEASE_S)
+        self._ask_all(live, ("abort",), returned, RELEASE_S if verdict else SETTLE_S)
         for rk in live:
             if rk.rank not in results:
                 with contextlib.suppress(OSError):
