@@ -112,6 +112,33 @@ def test_write_script_keeps_cells_and_pushes_in_order(tmp_path):
         text.index("_show(a + lr)") < text.rindex("_torch_destroy()")
 
 
+@pytest.mark.parametrize("drop", [None, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_LOCALID"])
+def test_an_exported_script_reads_srun_s_layout_like_the_training_script(tmp_path, monkeypatch, drop):
+    """Under srun without torchrun the exported preamble takes local_rank and local_world_size from SLURM's
+    variables as scripts/train_micro_ddp.py's local_layout does (2 tasks per node, never WORLD_SIZE=4), and without
+    them it stops with one line that names the variables. Run as an import: the group never starts."""
+    import runpy
+
+    from test_train_script import SRUN_2x2, _script
+
+    path = write_script(tmp_path / "srun.py", [("cell", "-n 2", "a = 1")], world_size=4, backend="gloo")
+    env = {k: v for k, v in SRUN_2x2.items() if k != drop}
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", *SRUN_2x2):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        expected = _script().local_layout(env)
+    except SystemExit:
+        expected = None
+    if drop == "SLURM_LOCALID" or expected is None:
+        with pytest.raises(SystemExit, match="set LOCAL_RANK and LOCAL_WORLD_SIZE"):
+            runpy.run_path(str(path), run_name="exported")
+        return
+    names = runpy.run_path(str(path), run_name="exported")
+    assert (names["local_rank"], names["local_world_size"]) == expected == (1, 2)
+
+
 DDP_ADAMW = ("import torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
              "torch.manual_seed(0)\nmodel = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),\n"
              "                               torch.nn.Linear(32, 1)))\n"
