@@ -1098,6 +1098,47 @@ def _rank_losses(shape, method, strategy, lora_r, targets, checkpoint, bug=None)
     return losses
 
 
+TINY_RUN = {"--model": "tiny", "--seq-len": "32", "--steps": "2"}   # what --check's run of the command changes
+
+
+def tiny_command(command, world_size=2):
+    """``command`` (a plan's finetune.py line) at tiny scale on this machine: ``world_size`` CPU ranks, the lesson's
+    tiny Llama, 32 tokens, 2 steps, at most 2 micro-batches accumulated; its method, strategy, precision, LoRA
+    settings, micro-batch and checkpointing as printed (the global batch follows: micro-batch x accumulation x
+    ranks). Returns the argument list for ``python -m torch.distributed.run``; None for a QLoRA line (bitsandbytes
+    needs a GPU). tests/test_will_it_fit.py runs one."""
+    import shlex
+
+    words = shlex.split(command)
+    if words[:1] != ["torchrun"] or SCRIPT not in words:
+        raise ValueError(f"not a {SCRIPT} command: {command!r}")
+    rest, opts, flags = words[words.index(SCRIPT) + 1:], {}, []
+    while rest:
+        if rest[0] == "--checkpointing":   # the one option without a value
+            flags.append(rest.pop(0))
+        else:
+            opts[rest[0]], rest = rest[1], rest[2:]
+    if opts.get("--method") == "qlora":
+        return None
+    opts.update(TINY_RUN)
+    opts["--accum-steps"] = str(min(int(opts["--accum-steps"]), 2))   # the same code path as 16, in seconds
+    opts["--global-batch-size"] = str(int(opts["--micro-batch-size"]) * int(opts["--accum-steps"]) * world_size)
+    return (["--standalone", f"--nproc-per-node={world_size}", SCRIPT]
+            + [w for kv in opts.items() for w in kv] + flags + ["--log-every", "1"])
+
+
+def run_tiny(command, world_size=2, timeout=600):
+    """Run ``command`` at tiny scale (tiny_command) from the repository's root; returns (returncode, output)."""
+    import subprocess
+
+    args = tiny_command(command, world_size)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=root, env=env, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return done.returncode, done.stdout
+
+
 def check_plan(shape, method, strategy, checkpoint=False, lora_r=4, targets=("q_proj", "v_proj"), world_size=2,
                bug=None, tolerance=1e-5, cluster=None):
     """Train a tiny model with ``shape``'s layer types for a few steps with ``strategy`` on ``world_size`` CPU ranks

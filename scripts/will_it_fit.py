@@ -17,7 +17,8 @@ Stable Diffusion UNets (sd-1.5, sd-2.1, sdxl, or a UNet's config.json; at their 
     python scripts/will_it_fit.py --model sd-1.5 --cards "2 x RTX 3060" --method full
     python scripts/will_it_fit.py --model path/to/gemma/config.json --cards "RTX 4090" --method lora
 
-Then check that the chosen plan trains the same model as one process does, at tiny scale on 2 CPU ranks (gloo):
+Then check the plan at tiny scale on 2 CPU ranks: that its strategy trains the same model as one process does (gloo,
+a 2-block model of the same layer types), and that the printed command runs (the tiny Llama, 2 steps):
     python scripts/will_it_fit.py --model llama-2-7b --cards 2x24GiB --method lora --check
 
 It prints, per strategy, the peak per card in each phase (forward, backward, optimizer step), the headroom against
@@ -30,6 +31,7 @@ Each distinct step is measured once and kept in your cache folder (~/.cache/micr
 $XDG_CACHE_HOME): a 7B plan that takes a minute the first time answers in seconds after; --no-cache measures again.
 """
 import argparse
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from course_utils.model_zoo import UNETS  # noqa: E402
 from course_utils.true_size import LlamaShape  # noqa: E402
 from course_utils.will_it_fit import (GLOBAL_BATCH, MAX_CARDS, MODELS, WillItFitError, check_plan,  # noqa: E402
-                                      default_cache_dir, will_it_fit)
+                                      default_cache_dir, run_tiny, tiny_command, will_it_fit)
 
 VALUED = ("--model", "--cards", "--method", "--seq-len", "--micro-batch", "--precision", "--lora-r", "--targets",
           "--workers", "--max-cards", "--global-batch-size")
@@ -120,9 +122,26 @@ def main(argv=None):
                                         plan.targets)
         print(f"check: {row.label} on 2 CPU ranks (gloo) against one process, a 2-block {plan.shape.name} with "
               f"the same layer types, {len(got)} steps: largest loss difference {diff:.1e} -> "
-              f"{'the same training' if ok else 'NOT the same training'}")
-        return 0 if ok else 1
+              f"{'the same training' if ok else 'NOT the same training'}", flush=True)
+        return 0 if ok and run_command_at_tiny_scale(plan.command(row)[0]) else 1
     return 0
+
+
+def run_command_at_tiny_scale(command):
+    """The printed command itself, at tiny scale: 2 CPU ranks, the tiny Llama, 32 tokens, 2 steps (tiny_command)."""
+    args = tiny_command(command)
+    if args is None:
+        print("check: the command is QLoRA, which needs a GPU (bitsandbytes' 4-bit kernels): not run here")
+        return True
+    print("check: the command above at tiny scale (the tiny Llama, 2 CPU ranks, 32 tokens, 2 steps, at most 2 "
+          "micro-batches accumulated), 20-60 s:\n    torchrun " + " ".join(args), flush=True)
+    rc, out = run_tiny(command)
+    final = re.findall(r"final_loss=([0-9.]+)", out)
+    if rc or not final:
+        print(f"check: the command FAILED (exit code {rc}); its last lines:\n{out[-3000:]}")
+        return False
+    print(f"check: the command ran: final loss {float(final[-1]):.4f}")
+    return True
 
 
 if __name__ == "__main__":

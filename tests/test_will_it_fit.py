@@ -9,6 +9,7 @@ planted wrong strategy; bad inputs.
 """
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
@@ -189,6 +190,37 @@ def test_check_trains_the_same_model_and_catches_a_gradient_averaged_twice(clust
     assert ok, (strategy, diff, got, ref)
     ok, diff, got, ref = check_plan(shape, "full", strategy, checkpoint=True, cluster=cluster2, bug="average twice")
     assert not ok and diff > 1e-3, (strategy, diff, got, ref)
+
+
+PRINTED = ("torchrun --standalone --nproc-per-node=4 scripts/finetune.py --model meta-llama/Llama-2-7b-hf --method {m} "
+           "--strategy {s} --precision mixed{lora} --seq-len 512 --micro-batch-size 1 --accum-steps 16 "
+           "--global-batch-size 64 --checkpointing")
+
+
+@pytest.mark.parametrize("method, strategy", [("full", "ddp"), ("full", "zero2"), ("full", "fsdp"), ("lora", "ddp"),
+                                              ("lora", "fsdp"), ("qlora", "ddp")])
+def test_check_runs_each_printed_command_at_tiny_scale(method, strategy):
+    """--check's run of the printed command: the tiny Llama on 2 CPU ranks, 32 tokens, 2 steps, at most 2
+    micro-batches; the plan's method, strategy, precision, LoRA settings, micro-batch and checkpointing kept.
+    tests/test_finetune_script.py runs each of these methods and strategies; lesson 16's plan (LoRA, FSDP2,
+    checkpointing, 16 micro-batches) runs here as --check runs it."""
+    from course_utils.will_it_fit import run_tiny, tiny_command
+
+    lora = " --lora-r 16 --targets q_proj,v_proj" if method != "full" else ""
+    printed = PRINTED.format(m=method, s=strategy, lora=lora)
+    args = tiny_command(printed)
+    if method == "qlora":
+        assert args is None, "bitsandbytes needs a GPU: --check says so and runs nothing"
+        return
+    assert args == ["--standalone", "--nproc-per-node=2", "scripts/finetune.py", "--model", "tiny", "--method", method,
+                    "--strategy", strategy, "--precision", "mixed", *lora.split(), "--seq-len", "32",
+                    "--micro-batch-size", "1", "--accum-steps", "2", "--global-batch-size", "4", "--steps", "2",
+                    "--checkpointing", "--log-every", "1"], args
+    with pytest.raises(ValueError, match="not a scripts/finetune.py command"):
+        tiny_command("accelerate launch train_text_to_image.py")
+    if (method, strategy) == ("lora", "fsdp"):
+        rc, out = run_tiny(printed)
+        assert rc == 0 and re.search(r"final_loss=[0-9.]+", out) and out.count("2 ranks on cpu") == 2, out[-3000:]
 
 
 def test_check_of_a_lora_plan(cluster2):
