@@ -5,21 +5,19 @@ torch, torch.distributed and the engine's worker module, and never initialises C
 forked from it starts in a fraction of a second instead of paying ``import torch`` again. Per-rank settings that
 libraries read when they load (the OpenMP thread count) are applied after the fork, with ``torch.set_num_threads``.
 
-The notebook and a server talk over a socketpair that only the two of them hold (nothing listens): a request is
-JSON (the rank's environment, the names of the file descriptors attached to it with SCM_RIGHTS, its thread count),
-the reply the new pid. Nothing is unpickled. Each server reaps its own children as soon as they exit (SIGCHLD) and
-writes each rank's exit code on the pipe the notebook sent with its request, so a death and its code reach the
-notebook whatever the other server is doing; a rank's death shows first as EOF on its result pipe (launcher.py).
+The notebook and a server talk over a socketpair only the two of them hold (nothing listens): a request is JSON
+(the rank's environment, the names of the fds attached with SCM_RIGHTS, its thread count), the reply the new pid;
+nothing is unpickled. A server reaps its children at once (SIGCHLD) and writes each rank's exit code on the pipe
+the notebook sent with the request.
 
-Two servers. A, started first, serves at once with torch imported. Once a cluster has started, A forks
-B (asked over A's socketpair; B gets its own), which imports what ranks would otherwise import at their first
-optimizer or DDP (``LATER``: torch._dynamo) while A goes on forking and reaping; from the moment B says it is ready,
-new ranks are forked from B. Neither ever imports while it serves. Each ends when the notebook closes its socket
-(the kernel exits) or when its parent ends (the notebook for A, A for B); its ranks then end too.
+Two servers. A, started first, serves at once with torch imported. Once a cluster has started, A forks B, which
+imports ``LATER`` (torch._dynamo) while A goes on serving; once B says it is ready, new ranks fork from B. Neither
+imports while it serves. Each ends when the notebook closes its socket or its parent ends; its ranks then end too.
 
 ``COURSE_UTILS_START=spawn`` starts every rank as a fresh interpreter instead (the fallback the engine also takes,
 with a note, when the server cannot start or dies twice).
 """
+import _signal
 import contextlib
 import itertools
 import json
@@ -112,16 +110,18 @@ def serve(fd, parent, preload):
     """A server's main (A's, in a fresh interpreter the notebook started, on the notebook's sys.path): import
     ``preload``, then serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stop button signals the kernel's whole process group
-    for name in preload:
-        try:
-            __import__(name)
-        except ImportError:
-            pass
+    _import_all(preload)
     import gc
 
     gc.freeze()  # its ~280k objects (torch) are never collected in the ranks: their gc passes touch no shared page
     _Server(socket.socket(fileno=fd), parent).loop()
     os._exit(0)
+
+
+def _import_all(names):
+    for name in names:
+        with contextlib.suppress(ImportError):
+            __import__(name)
 
 
 class _Server:
@@ -232,11 +232,7 @@ def _serve_b(sock, env, later):
 
     watchdog = threading.Thread(target=watch, name="course_utils-server-watchdog", daemon=True)
     watchdog.start()
-    for name in later:
-        try:
-            __import__(name)
-        except ImportError:
-            pass
+    _import_all(later)
     importing.clear()
     watchdog.join()  # no thread of its own is left when it forks
     gc.freeze()  # as A does after its preload
@@ -281,24 +277,29 @@ class Server:
 
 
 @contextlib.contextmanager
-def _sigint_held(stopped):
-    """While the server starts, a stop in this process is recorded in ``stopped`` (the caller delivers it once the
-    server is recorded), never lost: tests/test_engine_edges.py::test_the_stop_button_works_while_the_fork_server_
-    imports_torch."""
+def _sigint_held(on_stop=None):
+    """A stop (SIGINT) during the block does not interrupt it. Without ``on_stop`` it is handed, once the block
+    ends, to the handler it would have reached (the default one raises KeyboardInterrupt): what the block started
+    is then always recorded (and so cleaned up by the caller) before the stop acts. With ``on_stop``, each stop
+    calls it instead (a request's loop sets its flag: a frame half written to a rank's pipe would break it, and a
+    second stop must not start a nested recovery). Only on the main thread, where Python delivers signals."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+    stopped = []
+    old = _signal.signal(signal.SIGINT, lambda *_: on_stop() if on_stop else stopped.append(True))
+    old = old if old is not None else signal.default_int_handler  # _signal: without signal's enum wrapping
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        _signal.signal(signal.SIGINT, old)
+    if stopped and callable(old):  # delivered now to whoever was there: the default raises KeyboardInterrupt, a
+        old(signal.SIGINT, None)   # request's handler sets its flag
 
 
 def _ignore_sigint():
-    """In the server's child before its exec: Jupyter's stop button signals the kernel's whole process group, and
-    the server is in it; started with SIGINT ignored it keeps ignoring it (Python installs its own handler only
-    over the default one), also while it imports torch, so an early stop cannot kill it."""
+    """In the server's child before its exec: Jupyter's stop button signals the kernel's whole process group; a
+    server started with SIGINT ignored keeps ignoring it, also while it imports torch."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -324,14 +325,10 @@ def _start_server():
 
 
 def _start_recorded():
-    """Start a server and record it in _state; a stop pressed meanwhile acts once it is recorded (so the server
-    is never lost to the KeyboardInterrupt)."""
-    stopped = []
-    with _sigint_held(stopped):
+    """Start a server and record it in _state; a stop pressed meanwhile acts once it is recorded (never lost:
+    tests/test_engine_edges.py::test_the_stop_button_works_while_the_fork_server_imports_torch)."""
+    with _sigint_held():
         _state["ctx"] = _start_server()
-    handler = signal.getsignal(signal.SIGINT)
-    if stopped and callable(handler):
-        handler(signal.SIGINT, None)
     return _state["ctx"]
 
 
@@ -499,9 +496,8 @@ class ForkedProcess:
         self.pid = reply["pid"]
         self.returncode = None
         self.server_gone = False  # its server ended without reporting its exit code (it was stopped or killed)
-        # /proc/PID/stat held open: a pread answers "alive?" in microseconds (an open/read/close is 8x that, and
-        # the check runs per rank before every call), and the fd stays bound to this process, never to a later
-        # one that reuses the pid (once the rank is reaped, a read fails with ESRCH).
+        # /proc/PID/stat held open: a pread answers "alive?" in microseconds, and the fd stays bound to this
+        # process, never to a later one that reuses the pid (once the rank is reaped, a read fails with ESRCH).
         try:
             self._stat_fd = os.open(f"/proc/{self.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

@@ -5,6 +5,7 @@ normal script. A control thread answers the notebook while the main thread is bu
 reports where the main thread is stuck and releases the other ranks on an abort.
 """
 import ast
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -46,11 +47,8 @@ WATCHDOG_S = 0.5  # how often a rank checks that the notebook process still exis
 
 
 def _die_with_parent(parent_pid):
-    """End this rank when the notebook process is gone, on every system.
-
-    EOF on the command pipe is the usual signal (see control_loop); this thread covers the case
-    where a child process of the notebook still holds the pipe open. Not PR_SET_PDEATHSIG: it is
-    Linux-only and fires when the *thread* that started the rank exits, not the process."""
+    """End this rank when the notebook process is gone, also while a child of the notebook holds the command pipe
+    open (no EOF then). Not PR_SET_PDEATHSIG: it fires when the starting *thread* exits, and only on Linux."""
     def watch():
         while True:
             if os.getppid() != parent_pid:
@@ -137,9 +135,8 @@ def _where(frames):
 
 
 def _in_collective(frames):
-    """Whether the learner's innermost line is inside a torch.distributed call: the engine releases such a rank, so
-    the report reads "was waiting in all_reduce() ... and was released" whether the release or the report came
-    first (lesson 00's stored failure reports; tests/test_engine_edges.py)."""
+    """Whether the learner's innermost line is inside a torch.distributed call: the report then reads "was waiting
+    in all_reduce() ... and was released" whichever came first (tests/test_engine_edges.py)."""
     frames = list(frames)
     user = [i for i, f in enumerate(frames) if f.filename in _SOURCES]
     return bool(user) and any("torch/distributed/" in f.filename.replace(os.sep, "/") for f in frames[user[-1] + 1:])
@@ -221,15 +218,9 @@ _COLLECTED = set()  # ids of destroyed groups that a full gc.collect() already r
 
 
 def keep_every_group_alive():
-    """A rank frees a process group only at a safe point, on its main thread (free_destroyed_groups).
-
-    torch 2.13's ~ProcessGroupGloo joins its worker threads while the caller holds the GIL, and a worker
-    that is still destroying a finished work (its ThreadLocalState holds a Python object) waits for the
-    GIL: a deadlock, seen here when the last reference went with a DDP Reducer in a spawn() rank (the
-    rank hung for good, its watchdog thread unable to run); freed on one of its own worker threads (a
-    callback of a failed cell holding it), a group joins itself and aborts the rank. So each group the
-    rank makes (new_group, DeviceMesh, the engine's own) is kept here, and the learner's last reference
-    never frees it."""
+    """Keep every process group the rank makes (new_group, DeviceMesh, the engine's own) in _GROUPS, so that it is
+    freed only at a safe point on the main thread (free_destroyed_groups): torch 2.13's ~ProcessGroupGloo joins its
+    worker threads holding the GIL (a deadlock if one waits for it) and aborts the rank on one of its own threads."""
     import torch.distributed.distributed_c10d as c10d
 
     made = c10d._new_process_group_helper
@@ -252,17 +243,10 @@ WAIT_SLICE_S = 0.1  # a gloo collective is waited for in slices this long, so th
 
 
 def release_collective_waits(worker):
-    """Wait for a gloo collective in slices of WAIT_SLICE_S instead of in one uninterruptible C++ call.
-
-    A rank that enters its collective just as its peers close their connections (they failed, or the engine cut
-    them to release the ranks) can post its receive on a connection that gloo is closing: gloo never completes it
-    and the rank waits for the group's timeout (30 minutes), with SIGINT unable to reach Python. Seen 1 cell in
-    about 300 with an error on one rank of 4; the engine then replaced the ranks and the names were lost. Between
-    slices the rank sees the engine's release (an abort while it is busy: worker.released) and a stop. The work it
-    gave up on still blocks a gloo thread until the group's timeout (see free_destroyed_groups).
-    Not for a send or a recv (gloo finishes one with an error when a timed wait runs out; they wait on the
-    connections themselves, so the engine's cut of the connections ends their wait), not on NCCL (a wait with a
-    timeout there may abort the communicator) nor once CUDA is in use."""
+    """Wait for a gloo collective in slices of WAIT_SLICE_S instead of one uninterruptible C++ call: a receive posted
+    on a connection gloo is closing never completes, and between slices the rank sees the engine's release
+    (worker.released) and a stop. Not for a send or a recv (a timed wait that runs out ends them; the engine's cut
+    of the connections ends their wait), not on NCCL nor once CUDA is in use (a timed wait may abort there)."""
     import torch
     import torch.distributed as dist
 
@@ -300,13 +284,9 @@ def release_collective_waits(worker):
 
 
 def free_destroyed_groups():
-    """Free the kept groups that torch destroyed before the previous safe point and that nothing else
-    holds from Python; called on the main thread before each command from the notebook, and after each
-    destroy_process_group(group) a cell calls (then the safe points are the destroys themselves).
-
-    A group destroyed during one command is freed two commands later at the earliest: its works ended
-    long before, the rank's threads waited for the notebook in between (gloo's workers got the GIL), and
-    a callback of a failed cell that still held it has run. Each group holds fds, threads and a socket."""
+    """Free the kept groups that torch destroyed before the previous safe point and that nothing else holds from
+    Python. Safe points: the main thread before each command, and each destroy_process_group(group) a cell calls.
+    A group destroyed during one command is freed two commands later at the earliest, once its works have ended."""
     import gc
 
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
@@ -351,19 +331,11 @@ def free_destroyed_groups():
 
 
 def send_cell_code_by_value(main_module):
-    """multiprocessing's spawn and forkserver contexts (Pool, Process, DataLoader(multiprocessing_context=...))
-    pickle a function or class by reference, as __main__.NAME, and the child has no cells to find it in
-    ("Can't get attribute 'sq' on <module '__main__' (built-in)>", and the Pool waits for good). On a rank,
-    what the cells define in __main__ goes by value (cloudpickle), as the notebook sends it to the ranks;
-    anything else (tensors, modules' functions) is pickled as multiprocessing always does.
-
-    Only the rank itself sends by value: a fork child shares the rank's __main__, so what it sends back goes by
-    reference and is the rank's own class again (by value, a Dataset's items were instances of a copy: isinstance
-    failed). A child keeps what it receives in its __main__ (load_into_main), so that what it sends back, an
-    instance of a cell's class, goes by reference to the rank's class as well (it could not be sent before).
-    Ranks also get the platform's own start method back (fork on Linux before Python 3.14): forked from the
-    engine's server they inherited "forkserver", which no torchrun process has (a DataLoader with 2 workers took
-    16 s instead of 0.1 s, and hung on a cell's class)."""
+    """What the cells define in __main__ goes by value (cloudpickle) when the rank itself pickles it for
+    multiprocessing (a spawn or forkserver child has no cells to find it in by reference); anything else, and all
+    a child sends back, is pickled as multiprocessing always does, so a cell's class comes back as the rank's own
+    (load_into_main). The rank also gets the platform's start method back, not the fork server's "forkserver".
+    tests/engine_helpers.py::check_multiprocessing_with_cell_code holds this on both start paths."""
     import multiprocessing
 
     import cloudpickle
@@ -386,10 +358,9 @@ _RANK_MAIN = None  # the rank's __main__; a fork child of the rank shares it
 
 
 def load_into_main(name, payload):
-    """In a child of a rank: a function or class a cell defined, sent by value. A fork child has the rank's own
-    __main__: it takes the object from there (what pickling by reference would give). A spawn or forkserver
-    child keeps what it loads in its own __main__, with the cell-defined classes and functions it uses, so that
-    pickling an instance of one back goes by reference and the rank gets its own class."""
+    """In a child of a rank: a function or class a cell defined, sent by value. A fork child takes the rank's own
+    from the shared __main__; a spawn or forkserver child keeps what it loads (and the cell-defined names it uses)
+    in its own __main__, so that an instance sent back goes by reference to the rank's class."""
     import cloudpickle
 
     main = sys.modules.get("__main__")
@@ -454,11 +425,9 @@ class Worker:
         # each restart's group under its own prefix. No prefix keeps other local processes out of the store: any can
         # list its keys (TCPStore.list_keys); loopback keeps other machines out (docs/engine.md, "Safety")
         store = dist.PrefixStore(f"generation{self.generation}", self.store)
-        if self.backend == "nccl":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # == rank on one node
+        device = _default_device(self.backend)
+        if device.type == "cuda":
             torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
         self.original.get("init", dist.init_process_group)(
             self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.predefine(device)
@@ -468,10 +437,7 @@ class Worker:
         if device is None:
             device = self.ns.get("device")
         if device is None:
-            import torch
-
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if self.backend == "nccl" else \
-                torch.device("cpu")
+            device = _default_device(self.backend)
         self.ns.update(rank=self.rank, world_size=self.world_size,
                        local_rank=int(os.environ["LOCAL_RANK"]), device=device)
 
@@ -520,10 +486,7 @@ class Worker:
 
     def destroy_process_group(self):
         """Destroy the group (and every subgroup); _GROUPS keeps their objects until a later safe point
-        (free_destroyed_groups): a ProcessGroupGloo freed on one of its own worker threads joins itself
-        and aborts the rank ("Resource deadlock avoided"). That happened when the last reference sat in
-        a callback of the failed cell (a PowerSGD hook's future holds its group) that gloo ran while
-        erroring out the pending work."""
+        (free_destroyed_groups), never freed on one of gloo's own threads."""
         import gc
 
         import torch.distributed as dist
@@ -532,47 +495,33 @@ class Worker:
             if not dist.is_initialized():
                 return
             self.cut_peer_connections()
-            try:
+            with contextlib.suppress(Exception):
                 self.original.get("destroy", dist.destroy_process_group)()
-            except Exception:
-                pass
             gc.collect()  # the failed cell's garbage (DDP, hook state, frames) is freed here, not on gloo's threads
 
     def abort_nccl(self):
-        """On NCCL a rank waits in a GPU kernel, which neither a cut socket nor SIGINT reaches: abort its
-        communicators the way torch 2.13 provides (distributed_c10d._abort_process_group, every group of
-        the default one), so the kernels end and the host's wait returns with an error. Not run in CI
-        (no GPU there); make test-gpu runs it."""
+        """On NCCL a rank waits in a GPU kernel that neither a cut socket nor SIGINT reaches: abort every
+        communicator (torch 2.13's _abort_process_group) so the host's wait returns with an error (make test-gpu)."""
         if self.backend != "nccl":
             return
-        try:
-            import torch.distributed as dist
+        with contextlib.suppress(Exception):
             import torch.distributed.distributed_c10d as c10d
 
-            if dist.is_initialized():
+            if c10d.is_initialized():
                 c10d._abort_process_group()
-        except Exception:
-            pass
 
     def cut_peer_connections(self):
-        """Shut down this rank's TCP connections to the other ranks (not those to the store), so
-        that ranks waiting for us in a collective get an error now. Destroying the process group
-        is not enough: a rank keeps every group it made alive, and with it the gloo context and its
-        sockets (see keep_every_group_alive).
-
-        The peers are on 127.0.0.1 (the engine binds every rank to loopback); connections to other
-        addresses are the learner's own and stay open, and so are the learner's loopback connections:
-        those are Python socket objects, while gloo's (and the store's) live in C++ only."""
+        """Shut down this rank's loopback TCP connections to the other ranks, so that ranks waiting for us in a
+        collective get an error now (the kept groups keep gloo's sockets open). The store's connections, other
+        addresses and the learner's own Python socket objects stay open: gloo's sockets live in C++ only."""
         import gc
 
         store_port = self.store_port
         learners = set()
         for obj in gc.get_objects():
             if issubclass(type(obj), socket.socket):  # type(): a lazy module attribute's __class__ would warn
-                try:
+                with contextlib.suppress(OSError):
                     learners.add(obj.fileno())
-                except OSError:
-                    pass
         for fd in _open_fds():
             try:
                 if fd in learners or not stat.S_ISSOCK(os.fstat(fd).st_mode):
@@ -648,15 +597,11 @@ class Worker:
         # Flush before saying "done": the notebook then reads the stream pipes until they are empty.
         # A cell may have replaced or closed the streams (sys.stdout = None, os.dup2(devnull, 1)).
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
         self.libc.fflush(None)  # C/C++ output (gloo, NCCL) buffered in stdio
         try:
             self.channel.send(("done", run_id, self.rank, ok, payload))
-        except KeyboardInterrupt:
-            raise
         except Exception as exc:  # the result could not be pickled
             info = _error_info(exc)
             info["message"] = f"the value could not be sent back to the notebook: {exc}"
@@ -825,27 +770,29 @@ def rank_status():
 
     device = _WORKER.ns.get("device") if _WORKER is not None else None
     if not isinstance(device, torch.device):  # the learner rebound the name: the engine's own choice
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if _WORKER.backend == "nccl" else \
-            torch.device("cpu")
+        device = _default_device(_WORKER.backend)
     if device.type != "cuda" or not torch.cuda.is_initialized():
         return str(device), None, None
     return str(device), torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
 
 
-def _skip_libraries_finalizers():
-    """The weakref.finalize callbacks that exist before the learner's first cell (torch's libraries') need not run
-    at the rank's end: the process ends with os._exit, so nothing they free outlives it, and they cost CPU at every
-    restart and shutdown. Those the learner's cells make (a TemporaryDirectory's cleanup) still run."""
-    import weakref
+def _default_device(backend):
+    """The device the engine gives a rank: cuda:LOCAL_RANK on NCCL (== rank on one node), else the CPU."""
+    import torch
 
+    return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+
+
+def _skip_libraries_finalizers():
+    """The libraries' weakref.finalize callbacks (those made before the first cell) do not run at the rank's end:
+    it ends with os._exit, so nothing they free outlives it. Those the learner's cells make still run."""
     for finalizer in list(getattr(weakref.finalize, "_registry", ())):
         finalizer.atexit = False
 
 
 def _end_like_a_script():
-    """What a script's end does before the interpreter's shutdown: the atexit handlers run (the learner's
-    and the libraries': logging's, multiprocessing's), then every file still open for writing is flushed
-    (an unclosed open(..., 'w') kept its text in its buffer: a 0-byte file after %ddp shutdown)."""
+    """What a script's end does before the interpreter's shutdown: the atexit handlers run, then every file still
+    open for writing is flushed (an unclosed open(..., 'w') keeps its text)."""
     import _io
     import atexit
     import gc
@@ -857,11 +804,9 @@ def _end_like_a_script():
     # the C base classes (io.IOBase's ABC check over every object is slow): every file object derives from them
     files = [f for f in gc.get_objects() if isinstance(f, _io._IOBase)]
     for f in sorted(files, key=lambda f: not isinstance(f, _io._TextIOBase)):  # text first: into its buffer
-        try:
+        with contextlib.suppress(Exception):
             if not f.closed and f.writable():
                 f.flush()
-        except Exception:
-            pass
 
 
 def run_rank():
@@ -875,10 +820,8 @@ def run_rank():
         traceback.print_exc()
         code = 1
     _end_like_a_script()
-    try:
+    with contextlib.suppress(Exception):
         sys.stdout.flush()  # a cell may have replaced or closed it
-    except Exception:
-        pass
     os._exit(code)
 
 

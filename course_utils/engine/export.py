@@ -1,17 +1,11 @@
 """Turn a notebook's ``%%ddp`` cells into a script that torchrun runs: ``%ddp export PATH``.
 
-Introduced in 11_capstone_micro_ddp. The script starts like a ``%%ddp`` rank: it initialises the
-process group from torchrun's environment and defines ``rank``, ``world_size``, ``local_rank``
-and ``device``; then come the cells and the ``%ddp push`` values, in the order they ran, since the
-ranks were last started (names defined before a restart or a crash were gone for the later cells
-too); then the cells' names are deleted and ``destroy_process_group`` frees the group before the
-interpreter ends (a DDP model left in a global kept its gloo group alive into finalisation, which
-aborted 2 runs in 15). Each rank prints what the cells printed on it, and each cell's last value as
-``[rank N] value`` lines, as the notebook showed them. As on a ``%%ddp`` rank, a cell's own
-``init_process_group`` (code written for torchrun) finds the group set up and does nothing, and its
-``destroy_process_group()`` keeps the group for the cells after it. Everything but the imports and the cells'
-functions and classes runs under ``if __name__ == "__main__":``, so that a spawn or forkserver child of a cell (a
-``Pool``, a ``DataLoader``'s workers) imports the script without starting a second process group.
+Introduced in 11_capstone_micro_ddp. The script starts like a ``%%ddp`` rank (the process group from torchrun's
+environment; ``rank``, ``world_size``, ``local_rank``, ``device``), then runs the cells and ``%ddp push`` values
+since the ranks were last started, in the order they ran, each cell's last value shown as ``[rank N] value``; a
+cell's own init/destroy_process_group behave as on a rank. At the end the cells' names are deleted before the
+group is destroyed (a DDP model left in a global keeps gloo alive into finalisation). All but the imports and the
+cells' definitions runs under ``if __name__ == "__main__":``, so a spawn child of a cell starts no second group.
 """
 import ast
 import base64

@@ -21,9 +21,10 @@ import time
 import weakref
 
 from course_utils.engine import _forkstart, _wire
+from course_utils.engine._forkstart import _sigint_held
 from course_utils.engine.env import BACKENDS, _cpu_count, _gpu_count, choose_backend  # noqa: F401  (re-exported)
 from course_utils.engine.ranks import (  # noqa: F401  (_Rank, _kill, _loopback_interface: for the tests)
-    DONE_DRAIN_S, LIVE_LINES, _exit_of, _kill, _loopback_interface, _Rank, _shutdown, _sigint_held, _spawn, read_fd)
+    DONE_DRAIN_S, LIVE_LINES, _exit_of, _kill, _loopback_interface, _Rank, _shutdown, _spawn, read_fd)
 from course_utils.engine.reports import (  # noqa: F401  (CellSyntaxError, DistributedTimeout: public, re-exported)
     CellSyntaxError, DistributedError, DistributedTimeout, failure_error, hide_cpp_frames,
     interrupt_error, plural, timeout_error, undecodable_info)
@@ -151,17 +152,11 @@ class Cluster:
 
             self._pump_until(started, time.monotonic() + START_TIMEOUT_S)
         except BaseException:  # a stop (KeyboardInterrupt) while the ranks start: none may be left running
-            self._forget_selector()
-            self._finalizer.detach()
-            _kill(self._ranks)
-            self._ranks = []
+            self._drop_ranks(_kill)
             raise
         if len(ready) < self.world_size:
             out = {rk.rank: [line for name, line in rk.take_lines() if name == "stderr"] for rk in self._ranks}
-            self._forget_selector()
-            self._finalizer.detach()
-            _kill(self._ranks)
-            self._ranks = []
+            self._drop_ranks(_kill)
             lines = [f"  rank {r}: {e['type']}: {e['message']}" for r, e in sorted(errors.items())]
             for r, stderr in sorted(out.items()):
                 lines += [f"  [rank {r}] {line}" for line in stderr[-5:]]
@@ -194,10 +189,14 @@ class Cluster:
         with self._exclusive("shutdown()"), _sigint_held():  # a stop acts once the ranks are gone and forgotten
             _LIVE.discard(self)
             if self._ranks:
-                self._forget_selector()
-                self._finalizer.detach()
-                _shutdown(self._ranks, _wait_s)
-                self._ranks = []
+                self._drop_ranks(lambda ranks: _shutdown(ranks, _wait_s))
+
+    def _drop_ranks(self, end):
+        """End the ranks with ``end(ranks)`` (_kill or _shutdown) and forget them."""
+        self._forget_selector()
+        self._finalizer.detach()
+        end(self._ranks)
+        self._ranks = []
 
     @property
     def alive(self):
@@ -371,11 +370,12 @@ class Cluster:
                 return False
             self._pump(min(step, max(0.0, deadline - time.monotonic())))
 
-    def _send_all(self, make):
-        for rk in self._ranks:
+    def _send(self, ranks, message):
+        """Send ``message`` to each of ``ranks``; a rank that cannot be written to is dead."""
+        for rk in ranks:
             try:
-                rk.send(make(self._run_id))
-            except (BrokenPipeError, OSError):
+                rk.send(message)
+            except OSError:
                 self._mark_dead(rk)
 
     def _stop_pressed(self):
@@ -396,11 +396,6 @@ class Cluster:
         poller, owner = sel
         return {owner[fd].rank for fd, _ in poller.poll(0) if fd != owner[fd].res_r}
 
-    def _late_output(self):
-        """What a rank printed after its last call had finished (a background thread, a child process):
-        shown now, under a note, rather than as the output of the call that starts."""
-        self._show(None, late=True)
-
     def _request_exclusive(self, make, timeout, live, only_rank):
         __tracebackhide__ = True
         if not self._ranks:
@@ -408,7 +403,7 @@ class Cluster:
         elif not self.alive:
             raise self._failure(None, None)  # a rank died between calls: this call does not run
         else:
-            self._late_output()
+            self._show(None, late=True)  # what the ranks printed since their last call, under a note
         self._interrupted = False
         with _sigint_held(self._stop_pressed):
             # the group released after a failure is rebuilt now, and for a long --timeout (the backend must not give
@@ -427,7 +422,7 @@ class Cluster:
             results = self._done[run_id]
             self._live = live
             try:
-                self._send_all(make)
+                self._send(self._ranks, make(run_id))
                 t0 = time.monotonic()
                 deadline, ranks = t0 + timeout, self._ranks
                 while True:  # the hot loop of every cell: written out, not through _pump_until
@@ -486,12 +481,8 @@ class Cluster:
 
     def _ask_all(self, ranks, message, answered, seconds):
         """Send ``message`` to ``ranks`` and pump until ``answered()`` holds, a rank dies, or ``seconds`` pass;
-        return whether it held. A rank that cannot be written to is dead."""
-        for rk in ranks:
-            try:
-                rk.send(message)
-            except OSError:
-                self._mark_dead(rk)
+        return whether it held."""
+        self._send(ranks, message)
         return self._pump_until(answered, time.monotonic() + seconds)
 
     def _stacks(self, results):

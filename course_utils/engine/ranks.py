@@ -3,7 +3,6 @@
 Each rank is forked from the fork server (course_utils.engine._forkstart) or is a fresh interpreter; each leads its
 own process group, so that what it starts ends with it. Used by the launcher's Cluster.
 """
-import _signal
 import collections
 import contextlib
 import os
@@ -11,10 +10,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 from course_utils.engine import _forkstart, _wire
+from course_utils.engine._forkstart import _sigint_held
 from course_utils.engine.env import _cpu_count
 from course_utils.engine.reports import SERVER_GONE
 
@@ -87,10 +86,9 @@ class _Rank:
         return True
 
     def drain_streams(self, seconds=DONE_DRAIN_S, quiet=0.0):
-        """Read the stream pipes until they are empty, for at most ``seconds`` (a background thread of the
-        rank may print without end). Called once the rank said it is done: whatever it wrote before that
-        (it flushes first) is in the pipes now, so no end mark is needed. For a rank that died, ``quiet``: go
-        on reading until a pipe is at EOF or has been silent that long (a child it started may still write)."""
+        """Read the stream pipes until they are empty, for at most ``seconds`` (a background thread may print
+        without end); once the rank said "done", all it wrote before (it flushes first) is in the pipes. For a dead
+        rank, ``quiet``: read until a pipe is at EOF or silent that long (a child it started may still write)."""
         deadline = time.monotonic() + seconds
         for fd in self.streams:
             while fd not in self.closed and time.monotonic() < deadline:
@@ -117,10 +115,8 @@ class _Rank:
 
     def close(self):
         for fd in (self.cmd_w, self.res_r, *self.streams):  # also the streams already at EOF
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def _loopback_interface(platform, env):
@@ -130,11 +126,8 @@ def _loopback_interface(platform, env):
 
 
 def _spawn(world_size, backend, pg_timeout, group=True):
-    """Start the ranks: forked from the fork server (or fresh interpreters), rendezvous on a socket
-    bound before anyone uses it.
-
-    With ``group=False`` (``spawn``) the ranks get no process group: the learner's function sets it
-    up from MASTER_ADDR and MASTER_PORT, a loopback port that was free a moment ago."""
+    """Start the ranks, whose rendezvous socket is bound before anyone uses it. With ``group=False`` (``spawn``)
+    the learner's function sets the group up from MASTER_ADDR and MASTER_PORT, a loopback port free a moment ago."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))  # loopback only, and the port is ours from this moment
     listener.listen(128)
@@ -212,12 +205,9 @@ def _exit_of(proc):
 
 
 def _kill_group(proc):
-    """SIGKILL a rank's process group (the rank leads it: what it started goes too), never another process.
-
-    Once a rank has ended and been reaped (by this process's poll(), or at once by the fork server), its
-    pid is free for reuse, unless processes of its group (children it started) still hold it as their
-    group id. So the group is signalled while the rank has not been seen to end; afterwards only if no
-    process has that pid (it was not reused) and the group still has members (the rank's leftovers)."""
+    """SIGKILL a rank's process group (the rank leads it: what it started goes too), never another process: once
+    the rank is reaped its pid may be reused, so the group is then signalled only if no process has that pid and
+    the group still has members (the rank's leftovers)."""
     pid = proc.pid
     if proc.poll() is not None:
         try:
@@ -235,10 +225,8 @@ def _kill_group(proc):
         os.killpg(pid, signal.SIGKILL)
     except (OSError, AttributeError):
         if proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 proc.kill()
-            except OSError:
-                pass
 
 
 def _kill(ranks):
@@ -246,10 +234,8 @@ def _kill(ranks):
     for rk in ranks:
         _kill_group(rk.proc)
     for rk in ranks:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             rk.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
         rk.close()
 
 
@@ -257,36 +243,10 @@ def _shutdown(ranks, wait_s=2.0):
     """Ask every rank to end as a script does (its atexit handlers, its open files flushed), wait up to
     ``wait_s``, then kill what is left. Also what a Cluster's finalizer does when the notebook's kernel exits."""
     for rk in ranks:
-        try:
+        with contextlib.suppress(OSError):
             rk.send(("shutdown",))
-        except OSError:
-            pass
     deadline = time.monotonic() + wait_s
     for rk in ranks:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             rk.proc.wait(timeout=max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
     _kill(ranks)
-
-
-@contextlib.contextmanager
-def _sigint_held(on_stop=None):
-    """A stop (SIGINT) during the block does not interrupt it. Without ``on_stop`` it is handed, once the block
-    ends, to the handler it would have reached (the default one raises KeyboardInterrupt): a rank whose process
-    exists is then always recorded (and so killed by the caller's cleanup) before the stop acts. With ``on_stop``,
-    each stop calls it instead (a request's loop sets its flag and checks it: a frame half written to a rank's pipe
-    would break it, and a second stop must not start a nested recovery). Only on the main thread, where Python
-    delivers signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stopped = []
-    old = _signal.signal(signal.SIGINT, lambda *_: on_stop() if on_stop else stopped.append(True))
-    old = old if old is not None else signal.default_int_handler  # _signal: without signal's enum wrapping
-    try:
-        yield
-    finally:
-        _signal.signal(signal.SIGINT, old)
-    if stopped and callable(old):  # delivered now to whoever was there: the default raises KeyboardInterrupt, a
-        old(signal.SIGINT, None)   # request's handler sets its flag

@@ -32,7 +32,17 @@ def undecodable_info(error):
             "traceback": f"{type(error).__name__}: {error}\n", "where": "", "time": time.time()}
 
 
-class DistributedError(RuntimeError):
+class _Report:
+    """A summary line and its details, shown by IPython without the engine's frames (``_render_traceback_``)."""
+
+    def __str__(self):
+        return self.summary + ("\n" + self.details if self.details else "")
+
+    def _render_traceback_(self):
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class DistributedError(_Report, RuntimeError):
     """A rank failed. ``str()`` names the first failing rank, its traceback and the others' state."""
 
     def __init__(self, summary, details="", *, rank=None, exc_type=None, exc_message=None,
@@ -44,26 +54,13 @@ class DistributedError(RuntimeError):
         self.rank_traceback = rank_traceback
         self.ranks = ranks or {}  # rank -> what it was doing
 
-    def __str__(self):
-        return self.summary + ("\n" + self.details if self.details else "")
 
-    def _render_traceback_(self):  # IPython: show the ranks' story, not the engine's frames
-        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
-
-
-class DistributedInterrupt(KeyboardInterrupt):
-    """The learner pressed stop: says where each rank was and what the engine did, without the engine's
-    frames (IPython shows ``_render_traceback_``, as for DistributedError)."""
+class DistributedInterrupt(_Report, KeyboardInterrupt):
+    """The learner pressed stop: says where each rank was and what the engine did."""
 
     def __init__(self, summary, details=""):
         super().__init__(summary)
         self.summary, self.details = summary, details
-
-    def __str__(self):
-        return self.summary + ("\n" + self.details if self.details else "")
-
-    def _render_traceback_(self):
-        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 def interrupt_error(world_size, results, stacks, note):
