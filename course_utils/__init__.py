@@ -9,16 +9,17 @@ The package by lesson (each module's docstring says "Introduced in NN_..."):
 
 - ``engine`` (00 onwards): ``%%ddp``, ``Cluster``, ``launch``, ``spawn``, ``%ddp export`` (11); its one
   specification is docs/engine.md, its modules are listed in ``engine/__init__.py``
-- ``checks`` (every lesson with an exercise): the self-checks, one module per lesson or two, behind one verdict
-  wrapper; ``checks/__init__.py`` lists them by lesson
-- ``tour`` (00): lesson 00's exercise and its solution
+- ``checks`` (every lesson with an exercise): the self-checks and the course's solutions, one module per lesson or
+  two, behind one verdict wrapper; ``checks/__init__.py`` lists them by lesson
 - ``data``, ``models``, ``plots``, ``memory`` (01 onwards): generated data, the small models every lesson
   trains, the shared pictures, and memory measured from the tensors (peaks over a step, DDP's bucket)
 - ``allreduce`` (03): all-reduce by hand from send/recv, and the byte counter
-- ``bench`` (03, 04): bandwidth measured as nccl-tests does, and the alpha-beta fit of a whole operation
+- ``bench`` (03, 04): bandwidth measured as nccl-tests does, and the alpha-beta fit per call of a whole
+  operation (``fit_call_alpha_beta``)
 - ``ddp_probes`` (06, 07): recording and drawing what DDP does (its all-reduces, its buckets, a timeline)
 - ``hooks`` (08, 09): DDP communication hooks and a byte counter for any hook
-- ``costmodel`` (10): the step-time model (alpha-beta per ring hop, plus compute) and its sliders
+- ``costmodel`` (10): the step-time model (alpha-beta per ring hop, ``fit_hop_alpha_beta``, plus compute) and
+  its sliders
 - ``micro_ddp``, ``gpt`` (11): the course's own DDP, and the tiny GPT it trains (with ``corpus.txt``)
 - ``zero`` (12): ZeRO-1/2 by hand (``ShardedOptimizer``) and the collectives counter
 - ``fsdp`` (13): MicroFSDP, ZeRO-3 by hand

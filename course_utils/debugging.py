@@ -10,7 +10,6 @@ leave behind, then read a profiler trace.
 
 Introduced in 17_debugging_and_profiling.
 """
-import ast
 import os
 import pickle
 import re
@@ -651,7 +650,7 @@ def dump_table(dumps, last=None, lines=False):
     return "\n".join([fmt(headers)] + [fmt(r) for r in rows])
 
 
-# -- the Flight Recorder exercise's self-check -------------------------------------------------------------------
+# -- what the Flight Recorder exercise's self-check reads (course_utils.checks.debugging) ------------------------
 
 def analyzer_named(dumps):
     """``(seq, [rank, ...])``: the collective number of the first error fr_trace reports on these dumps (through
@@ -679,98 +678,12 @@ def _ranks(ranks):
     return ranks[0] if len(ranks) == 1 else f"{', '.join(ranks[:-1])} and {ranks[-1]}"
 
 
-def _check_mystery_answer(job, culprit_rank, collective_number):
-    if culprit_rank is None or collective_number is None:
-        raise AssertionError("not answered yet: set culprit_rank (an int) and collective_number (the '#' of "
-                             "dump_table's row where that rank left the others) from what the dumps say, then run "
-                             "the cell again")
-    calls = _calls(job)
-    config = next(iter(read_dump(next(iter(_dumps_of(job).values())))["pg_config"].values()))
-    world = len(ast.literal_eval(config["ranks"]))
-    if sorted(calls) != list(range(world)):
-        raise AssertionError(f"this run of the job left dumps from ranks {_ranks(calls) if calls else 'none'} of "
-                             f"0 to {world - 1}: run the job's cell again, then this one")
-    if isinstance(culprit_rank, bool) or not isinstance(culprit_rank, int):
-        raise AssertionError(f"culprit_rank must be a rank number (an int from 0 to {world - 1}), "
-                             f"not {culprit_rank!r}")
-    if not 0 <= culprit_rank < world:
-        raise AssertionError(f"the job had {world} ranks, 0 to {world - 1}; there is no rank {culprit_rank}")
-    if isinstance(collective_number, bool) or not isinstance(collective_number, int):
-        raise AssertionError(f"collective_number must be the '#' of one of dump_table's rows (an int), "
-                             f"not {collective_number!r}")
-    seqs = sorted({s for mine in calls.values() for s in mine})
-    if collective_number not in seqs:
-        raise AssertionError(f"the dumps number this job's collectives {seqs[0]} to {seqs[-1]}: no rank recorded "
-                             f"a collective #{collective_number}")
-    left = _first_difference(calls)
-    stop = _first_difference(calls, key=lambda call: call[:2])
-    if left is None or stop is None:
-        raise AssertionError("in this run every rank made the same calls: the bug did not show; run the job's cell "
-                             "again, then this one")
-    seq, culprit, at = left
-    stop_seq, _, stop_at = stop
-    named = analyzer_named(job)
-    if culprit_rank != culprit:
-        twins = [r for r in calls if r != culprit_rank and calls[r] == calls[culprit_rank]]
-        if twins:
-            hint = (f"rank {culprit_rank} made the very calls rank{'s' if len(twins) > 1 else ''} {_ranks(twins)} "
-                    "made, at every collective number (operation, sizes, and the line of the job that made each): "
-                    "it did not leave them")
-        else:
-            same = [r for r, c in at.items() if c == at[culprit_rank] and r != culprit_rank]
-            hint = (f"where the ranks' calls first differ, rank {culprit_rank} called {_say(at[culprit_rank])}"
-                    + (f", as rank{'s' if len(same) > 1 else ''} {_ranks(same)} did" if same else "")
-                    + f": rank {culprit} is the one whose call differs from the majority's there")
-        if named is not None and culprit_rank in named[1]:
-            hint += (f". fr_trace named rank{'s' if len(named[1]) > 1 else ''} {_ranks(named[1])} at #{named[0]} "
-                     "in this run: it names each rank whose call differs from the first dump it reads, rank 0's "
-                     "(torch 2.13's check_current_entry_match: 'Here we assume the current rank is not the source "
-                     "of the error'); count which call most ranks made")
-        raise AssertionError(hint)
-    if collective_number != seq:
-        if collective_number < seq:          # before the first difference, every rank made the same call
-            agreed = next(iter(calls.values()))[collective_number]
-            raise AssertionError(f"at #{collective_number} every rank called {_say(agreed)}: they still agreed "
-                                 f"there; rank {culprit_rank} left the others at a later number")
-        how = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {_say(c) if c else 'nothing'}"
-                        for c, rs in _groups(stop_at))
-        hint = (f"#{collective_number} is " + ("where the job stopped" if collective_number == stop_seq else
-                                              f"after #{stop_seq}, where the job stopped")
-                + f": at #{stop_seq} the calls differ in operation or size ({how}), so none of them could complete"
-                + (f", and that is the number fr_trace reports in this run (#{named[0]})" if named and named[0] ==
-                   stop_seq else "")
-                + f". But rank {culprit_rank} had left the others before that: a call can match the others' by "
-                "operation and size and still be another call of the job; compare the line of each rank's calls "
-                "(dump_table(mystery, lines=True))")
-        raise AssertionError(hint)
-    others = [c for r, c in at.items() if r != culprit]
-    print(f"check_mystery_answer: right: at #{seq} rank {culprit} called {_say(at[culprit])}, while the others "
-          f"called {_say(others[0])}"
-          + (f"; same operation and size, so the two matched and nothing failed until #{stop_seq}, where the calls "
-             f"differ in operation or size" if stop_seq > seq else "; they could not match") + ". fr_trace reports "
-          + (f"#{named[0]} and names rank{'s' if len(named[1]) > 1 else ''} {_ranks(named[1])}: where the job "
-             "stopped, measured against rank 0's record, not where it went wrong." if named else "nothing here."))
-
-
 def _groups(at):
     """``[(call, [ranks that made it]), ...]`` at one collective number, the most common call first."""
     found = {}
     for r, c in sorted(at.items()):
         found.setdefault(c, []).append(r)
     return sorted(found.items(), key=lambda item: -len(item[1]))
-
-
-def check_mystery_answer(job, culprit_rank, collective_number):
-    """The mystery job of 17_debugging_and_profiling hung: which rank left the others (``culprit_rank``), and at
-    which collective number (``collective_number``, the '#' of ``dump_table``)? Read from ``job``'s own Flight
-    Recorder dumps, so that each hint says what this run recorded. Raises ``AssertionError`` with a hint when the
-    answer is wrong.
-
-    Introduced in 17_debugging_and_profiling."""
-    __tracebackhide__ = True  # noqa: F841 (read by IPython and pytest)
-    from course_utils.checks import verdict_only
-
-    return verdict_only(_check_mystery_answer)(job, culprit_rank, collective_number)
 
 
 # -- profiler traces ---------------------------------------------------------------------------------------------

@@ -41,9 +41,9 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="positive"):
         bench.algbw(100, 0.0)
     with pytest.raises(ValueError, match="at least two"):
-        bench.fit_alpha_beta([4096], [1e-4])
+        bench.fit_call_alpha_beta([4096], [1e-4])
     with pytest.raises(ValueError, match="not all be equal"):
-        bench.fit_alpha_beta([4096, 4096], [1e-4, 2e-4])
+        bench.fit_call_alpha_beta([4096, 4096], [1e-4, 2e-4])
 
 
 def test_default_sizes_span_4k_to_64m():
@@ -58,7 +58,7 @@ def test_default_sizes_span_4k_to_64m():
 def test_fit_recovers_exact_alpha_beta():
     alpha, beta = 50e-6, 1 / 2e9
     sizes = bench.default_sizes()
-    a, b = bench.fit_alpha_beta(sizes, [alpha + beta * s for s in sizes])
+    a, b = bench.fit_call_alpha_beta(sizes, [alpha + beta * s for s in sizes])
     assert math.isclose(a, alpha, rel_tol=1e-9) and math.isclose(b, beta, rel_tol=1e-9), (a, b)
 
 
@@ -68,13 +68,13 @@ def test_fit_is_not_dominated_by_large_sizes():
     sizes = bench.default_sizes()
     times = [alpha + beta * s for s in sizes]
     times[-1] *= 1.1
-    a, b = bench.fit_alpha_beta(sizes, times)
+    a, b = bench.fit_call_alpha_beta(sizes, times)
     assert 0.8 * alpha < a < 1.2 * alpha, f"alpha {a} should stay near {alpha}"
 
 
 def test_fit_never_returns_negative_latency():
     sizes = [1000, 2000, 4000]
-    a, b = bench.fit_alpha_beta(sizes, [0.9e-6, 2.0e-6, 4.1e-6])  # a straight line through ~ -0.1 us
+    a, b = bench.fit_call_alpha_beta(sizes, [0.9e-6, 2.0e-6, 4.1e-6])  # a straight line through ~ -0.1 us
     assert a == 0.0 and b > 0, (a, b)
 
 

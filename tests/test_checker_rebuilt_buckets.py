@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_utils.ddp_probes import check_rebuilt_buckets, solution_rebuilt_buckets
+from course_utils.checks import check_rebuilt_buckets
+from course_utils.checks.buckets import solution_rebuilt_buckets
 
 from conftest import register_by_value
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test module

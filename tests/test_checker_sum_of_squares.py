@@ -1,4 +1,4 @@
-"""course_utils.tour.check_sum_of_squares (lesson 00, exercise 1) against the learner, on 4 real gloo ranks: the
+"""course_utils.checks.tour.check_sum_of_squares (lesson 00, exercise 1) against the learner, on 4 real gloo ranks: the
 untouched scaffold fails, each typical wrong answer fails with a reason that fits the exercise, and right answers
 written in other ways pass (three ways to name the all-reduce, the process group's own allreduce, functional
 collectives, async_op=True then wait(), an explicit ReduceOp.SUM, a Python number returned).
@@ -7,7 +7,7 @@ collectives, async_op=True then wait(), an explicit ReduceOp.SUM, a Python numbe
 """
 import pytest
 
-from course_utils.tour import check_sum_of_squares
+from course_utils.checks import check_sum_of_squares
 from exercise_helpers import notebook_cell
 
 

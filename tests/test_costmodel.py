@@ -31,48 +31,48 @@ def test_ring_allreduce_time_matches_the_formula():
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_fit_alpha_beta_recovers_the_model(world_size):
+def test_fit_hop_alpha_beta_recovers_the_model(world_size):
     sizes = [2**k for k in range(10, 24, 2)]
     times = [allreduce_time(s, world_size, 3e-5, 2e-9) for s in sizes]
-    alpha, beta = costmodel.fit_alpha_beta(sizes, times, world_size)
+    alpha, beta = costmodel.fit_hop_alpha_beta(sizes, times, world_size)
     assert math.isclose(alpha, 3e-5, rel_tol=1e-6) and math.isclose(beta, 2e-9, rel_tol=1e-6), (alpha, beta)
     with pytest.raises(ValueError, match="one rank"):
-        costmodel.fit_alpha_beta(sizes, times, 1)
+        costmodel.fit_hop_alpha_beta(sizes, times, 1)
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_fit_alpha_beta_on_noisy_measurements(seed):
+def test_fit_hop_alpha_beta_on_noisy_measurements(seed):
     """Known alpha and beta, each time disturbed by up to +-5% (as best-of timings are): both come back
     within 15%."""
     rng = random.Random(seed)
     sizes = [1 << k for k in (10, 14, 17, 20, 21, 22, 23)]
     times = [allreduce_time(s, 4, 4e-5, 1.5e-9) * (1 + rng.uniform(-0.05, 0.05)) for s in sizes]
-    alpha, beta = costmodel.fit_alpha_beta(sizes, times, 4)
+    alpha, beta = costmodel.fit_hop_alpha_beta(sizes, times, 4)
     assert alpha == pytest.approx(4e-5, rel=0.15) and beta == pytest.approx(1.5e-9, rel=0.15), (alpha, beta)
 
 
-def test_fit_alpha_beta_with_no_latency_is_not_an_error():
+def test_fit_hop_alpha_beta_with_no_latency_is_not_an_error():
     """A latency too small to measure fits as alpha = 0 (clamped, not negative), with beta intact."""
     sizes = [1 << k for k in (10, 14, 17, 20, 23)]
     times = [allreduce_time(s, 2, 0.0, 1e-9) * f for s, f in zip(sizes, (0.97, 1.02, 0.99, 1.01, 1.0))]
-    alpha, beta = costmodel.fit_alpha_beta(sizes, times, 2)
+    alpha, beta = costmodel.fit_hop_alpha_beta(sizes, times, 2)
     assert 0.0 <= alpha < 1e-7 and beta == pytest.approx(1e-9, rel=0.05), (alpha, beta)
 
 
 @pytest.mark.parametrize("times", [[1e-3] * 5, [2e-3, 1.8e-3, 1.5e-3, 1.2e-3, 1e-3]])
-def test_fit_alpha_beta_refuses_a_fit_without_bandwidth(times):
+def test_fit_hop_alpha_beta_refuses_a_fit_without_bandwidth(times):
     """Times that do not grow with the size cannot give a bandwidth: an error, not a made-up beta."""
     with pytest.raises(ValueError, match="do not grow with the size"):
-        costmodel.fit_alpha_beta([1 << k for k in (10, 14, 17, 20, 23)], times, 2)
+        costmodel.fit_hop_alpha_beta([1 << k for k in (10, 14, 17, 20, 23)], times, 2)
 
 
-def test_fit_alpha_beta_is_lesson_03s_line_fit_spread_over_the_ring():
+def test_fit_hop_alpha_beta_is_lesson_03s_line_fit_spread_over_the_ring():
     sizes = [1 << k for k in (10, 14, 17, 20, 23)]
     times = [5e-5 + 2.5e-9 * s * (1.03 if i % 2 else 0.98) for i, s in enumerate(sizes)]
-    a, b = bench.fit_alpha_beta(sizes, times)
-    alpha, beta = costmodel.fit_alpha_beta(sizes, times, 4)
+    a, b = bench.fit_call_alpha_beta(sizes, times)
+    alpha, beta = costmodel.fit_hop_alpha_beta(sizes, times, 4)
     assert alpha == pytest.approx(a / 6) and beta == pytest.approx(b * 4 / 6)
-    assert not hasattr(costmodel, "_weighted_line"), "one line fit in the course: bench.fit_alpha_beta"
+    assert not hasattr(costmodel, "_weighted_line"), "one line fit in the course: bench.fit_call_alpha_beta"
 
 
 def test_fit_compute_recovers_overhead_and_flop_rate():
@@ -144,7 +144,7 @@ def test_the_least_squares_check_rejects_a_worse_line(seed):
     rng = random.Random(seed)
     sizes = [1 << 10, 1 << 16, 1 << 22]
     times = [allreduce_time(s, 2, 3e-5, 1e-9) * (1 + rng.uniform(-0.2, 0.2)) for s in sizes]
-    alpha, beta = costmodel.fit_alpha_beta(sizes, times, 2)
+    alpha, beta = costmodel.fit_hop_alpha_beta(sizes, times, 2)
     _assert_relative_least_squares(sizes, times, Calibration(alpha=alpha, beta=beta, flop_rate=1e10, world_size=2))
     for wrong in (Calibration(alpha=alpha * 1.05, beta=beta, flop_rate=1e10, world_size=2),
                   Calibration(alpha=alpha, beta=beta * 0.95, flop_rate=1e10, world_size=2)):
@@ -166,7 +166,7 @@ def test_calibrate_on_real_ranks(cluster):
     assert run.allreduce_times[-1] > run.allreduce_times[0], "4 MiB cannot all-reduce faster than 1 KiB"
     # alpha and beta are the fit of exactly what was measured here, and that fit is the least-squares one on the
     # relative error (exact properties: how close a line comes to 3 timings on a loaded machine is noise)
-    assert (cal.alpha, cal.beta) == costmodel.fit_alpha_beta(run.sizes, run.allreduce_times, 2)
+    assert (cal.alpha, cal.beta) == costmodel.fit_hop_alpha_beta(run.sizes, run.allreduce_times, 2)
     _assert_relative_least_squares(run.sizes, run.allreduce_times, cal)
     assert len(run.compute_times) == 3 and all(t > 0 for t in run.compute_times)
     assert "us per ring hop" in costmodel.describe(cal) and "GB/s" in costmodel.describe(cal)

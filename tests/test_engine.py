@@ -292,9 +292,9 @@ def test_function_traceback_shows_its_source(cluster4):
 
 
 @pytest.mark.parametrize("get_checker", [
-    "from course_utils.ddp_probes import check_accumulate",  # a checker the ranks call directly
+    "from course_utils.checks.accumulation import check_accumulate",  # a checker the ranks call unwrapped
     "from course_utils.checks import verdict_only\n"        # through the notebook-side wrapper
-    "from course_utils import ddp_probes\ncheck_accumulate = verdict_only(ddp_probes.check_accumulate)",
+    "from course_utils.checks import accumulation\ncheck_accumulate = verdict_only(accumulation.check_accumulate)",
 ])
 def test_a_checker_verdict_on_the_ranks_shows_the_learners_line_not_the_checker(cluster4, get_checker):
     with pytest.raises(DistributedError) as info:
@@ -303,7 +303,7 @@ def test_a_checker_verdict_on_the_ranks_shows_the_learners_line_not_the_checker(
     text = str(info.value)
     assert info.value.exc_type == "AssertionError" and "accumulate is not written yet" in text
     assert "check_accumulate(accumulate)" in text, "the learner's line stays"
-    assert "ddp_probes.py" not in text and "course_utils/checks" not in text, text
+    assert "accumulation.py" not in text and "course_utils/checks" not in text, text
     with pytest.raises(DistributedError) as info:  # the learner's own assert keeps its frames
         cluster4.run("def mine():\n    assert rank < 0, 'mine'\nmine()")
     assert "assert rank < 0, 'mine'" in str(info.value)

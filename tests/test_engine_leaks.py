@@ -293,13 +293,13 @@ def test_the_same_checker_verdict_on_every_rank_is_shown_once(make_cluster):
     raised AssertionError' line per rank: one wrong answer read as many failures."""
     c = make_cluster(2, timeout=60)
     with pytest.raises(DistributedError) as info:
-        c.run("from course_utils.ddp_probes import check_accumulate\n"
+        c.run("from course_utils.checks import check_accumulate\n"
               "def accumulate(model, batches):\n    raise NotImplementedError('todo')\n"
               "check_accumulate(accumulate)")
     text = str(info.value)
     assert text.startswith("every rank failed the check with AssertionError:"), text
     assert text.count("accumulate is not written yet") == 1 and "then raised" not in text, text
-    assert "check_accumulate(accumulate)" in text and "ddp_probes.py" not in text, text
+    assert "check_accumulate(accumulate)" in text and "course_utils/checks" not in text, text
     with pytest.raises(DistributedError) as info:  # a verdict on one rank only is reported as before
         c.run("from course_utils.checks import verdict_only\n"
               "def judge():\n    assert rank != 1, 'wrong on rank 1'\nverdict_only(judge)()")

@@ -3,7 +3,7 @@ passes, and a slow check shows a live status line. The checker's verdicts on wro
 tests/test_checker_sum_of_squares.py."""
 import pytest
 
-from course_utils.tour import check_sum_of_squares
+from course_utils.checks import check_sum_of_squares
 from exercise_helpers import notebook_cell
 
 

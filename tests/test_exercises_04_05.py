@@ -15,7 +15,7 @@ from conftest import NOTEBOOKS, register_by_value
 
 from course_utils import DistributedError, bench
 from course_utils.checks import grad_avg
-from course_utils.checks.grad_avg import check_adam_hides_the_bug, check_grad_averaging
+from course_utils.checks import check_adam_hides_the_bug, check_busbw, check_grad_averaging
 from exercise_helpers import notebook_cell, solution_off
 
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
@@ -80,7 +80,7 @@ def test_lesson_04_cache_check_runs_outside_a_git_checkout(tmp_path):
     source = notebook_cell("04_measuring_bandwidth.ipynb", "bench.save_measurements(")
     rows = [{"bytes": s, "iters": 2, "time_s": 1e-3 + s * 1e-9, "algbw_Bps": 1.0, "busbw_Bps": 1.0}
             for s in (4096, 65536, 2**20)]
-    alpha, beta = bench.fit_alpha_beta([r["bytes"] for r in rows], [r["time_s"] for r in rows])
+    alpha, beta = bench.fit_call_alpha_beta([r["bytes"] for r in rows], [r["time_s"] for r in rows])
     program = ("import json\nfrom course_utils import bench\n"
                f"rows = ring_rows = json.loads({json.dumps(json.dumps(rows))})\n"
                f"memcpy, alpha, beta = 5e9, {alpha!r}, {beta!r}\n" + source)
@@ -415,13 +415,13 @@ def test_describe_throughput_blames_what_grew():
 
 def test_a_failed_self_check_shows_the_learners_line_and_the_verdict():
     try:
-        bench.check_busbw(None, ROW, world_size=4)  # the learner's line
+        check_busbw(None, ROW, world_size=4)  # the learner's line
     except AssertionError as exc:
         shown = exc._render_traceback_()  # what IPython shows instead of the full traceback
     else:
         raise AssertionError("the scaffold must fail")
     assert not any("course_utils" in line for line in shown), f"the checker's frames are hidden:\n{shown}"
-    assert "bench.check_busbw(None, ROW, world_size=4)" in shown[-2], shown
+    assert "check_busbw(None, ROW, world_size=4)" in shown[-2], shown
     assert shown[-1].endswith("Set my_busbw (bytes per second, from row['bytes'] and row['time_s']) and run the "
                               "cell again."), shown
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_utils.checks import check_comm_hook, check_fp16_wrapper
-from course_utils.ddp_probes import REORDERED_BUCKET0, check_bucket0_prediction
+from course_utils.checks import check_bucket0_prediction, check_comm_hook, check_fp16_wrapper
+from course_utils.checks.buckets import REORDERED_BUCKET0
 from course_utils.hooks import avg_hook, fp16_wrap
 
 from conftest import register_by_value

@@ -11,6 +11,7 @@ runs them: on 2 gloo ranks (``%%ddp`` cells) or in this process.
 import pytest
 
 from course_utils import costmodel, hooks
+from course_utils.checks import tradeoffs
 from course_utils.checks.comm_hook import check_fp16_powersgd_bytes
 from course_utils.costmodel import Calibration
 from exercise_helpers import notebook_cell, solution_off
@@ -43,7 +44,7 @@ def run_exercise_1(answer_line):
 
 
 def test_10_exercise_1_solution_passes():
-    k = costmodel.smallest_accum_steps(CAL, world_size=8, params=PARAMS, micro_batch=4)
+    k = tradeoffs.smallest_accum_steps(CAL, world_size=8, params=PARAMS, micro_batch=4)
     assert k >= 3, "the test needs an answer with two smaller wrong ones"
     run_exercise_1(None)  # the stored notebook: USE_SOLUTION = True
     run_exercise_1(f"answer = {k}")
@@ -58,7 +59,7 @@ def test_10_exercise_1_solution_passes():
     ("0", "a whole number >= 1"),
 ])
 def test_10_exercise_1_wrong_answers_fail_with_a_reason(answer, reason):
-    k = costmodel.smallest_accum_steps(CAL, world_size=8, params=PARAMS, micro_batch=4)
+    k = tradeoffs.smallest_accum_steps(CAL, world_size=8, params=PARAMS, micro_batch=4)
     with pytest.raises(AssertionError, match=reason):
         run_exercise_1(f"answer = {answer.replace('K', str(k))}")
 

@@ -18,9 +18,10 @@ import sys
 import pytest
 
 from course_utils import planted_bugs
+from course_utils.checks import check_mystery_answer
 from course_utils.checks import debugging as checks
-from course_utils.debugging import (ROOT, _dumps_of, _free_port, analyze, analyzer_named, check_mystery_answer,
-                                    dump_entries, odd_one_out, read_dump)
+from course_utils.debugging import (ROOT, _dumps_of, _free_port, analyze, analyzer_named, dump_entries, odd_one_out,
+                                    read_dump)
 from exercise_helpers import notebook_cell, solution_off, verdict
 
 NOTEBOOK = "17_debugging_and_profiling.ipynb"

@@ -289,8 +289,7 @@ def test_the_detector_finds_a_shown_solution_and_passes_a_hidden_one():
 
 
 def test_the_flag_forms_resolve_to_their_solutions():
-    from course_utils import tour
-    from course_utils.checks import basics
+    from course_utils.checks import basics, tour
 
     names = {"basics": basics, "check": tour.check_sum_of_squares,
              "solution_ring_shift": basics.solution_ring_shift}

@@ -1,20 +1,28 @@
 """Checkers that explain in plain words what is wrong. Each lives in its own module:
 
+- ``check_sum_of_squares`` (00_launcher_tour), in ``checks.tour``
 - ``check_activation_predictions``, ``check_optimizer_state_predictions`` (01_data_parallelism) and
   ``check_all_reduce_in_two_halves``, ``check_ring_shift``, ``check_gather_to_rank0``
   (02_collectives_sandbox), in ``checks.basics``
 - ``check_all_reduce``, ``check_sent_bytes_prediction`` (03_all_reduce_by_hand), in ``checks.all_reduce``
-- ``check_grad_averaging`` (05_manual_gradient_averaging), in ``checks.grad_avg``
+- ``check_busbw``, ``check_bucket_times``, ``check_algbw_prediction`` (04_measuring_bandwidth), in
+  ``checks.bandwidth``
+- ``check_grad_averaging``, ``check_adam_hides_the_bug`` (05_manual_gradient_averaging), in ``checks.grad_avg``
+- ``check_sync_prediction``, ``check_accumulate`` (06_ddp_accumulation_no_sync), in ``checks.accumulation``
+- ``check_rebuilt_buckets``, ``check_bucket0_prediction`` (07_buckets_and_overlap), in ``checks.buckets``
 - ``check_comm_hook`` (08_comm_hooks), in ``checks.comm_hook``
+- ``check_accum_steps``, ``check_weighted_sync`` (10_tradeoffs), in ``checks.tradeoffs``
 - ``check_broadcast_state``, ``check_assign_buckets``, ``check_start_allreduce``, ``check_micro_ddp``,
   ``check_compressor``, ``check_late_flag`` (11_capstone_micro_ddp), in ``checks.micro_ddp``
 - the checkers of 12_zero_fsdp, in ``checks.zero``
 - ``check_pad_and_shard``, ``check_micro_fsdp`` (13_fsdp_by_hand), in ``checks.fsdp``
 - ``check_row_parallel_backward``, ``check_pipeline_schedule`` (15_beyond_data_parallelism), in ``checks.parallel``
 - ``check_lora_linear`` (16_fine_tuning_small_cards), in ``checks.lora``
+- ``check_exposed_fraction``, ``check_mystery_answer`` (17_debugging_and_profiling), in ``checks.debugging``
 - ``check_largest_micro_batch`` (18_diffusion_on_two_rtx_3060s), in ``checks.diffusion``
-- ``check_exposed_fraction`` (17_debugging_and_profiling), in ``checks.debugging`` (the mystery job's checker,
-  ``check_mystery_answer``, reads the run's dumps: course_utils.debugging)
+
+The course's solutions live beside their checkers (``solution_*`` and the like), for cells that run them while
+``USE_SOLUTION = True``: ``from course_utils.checks import bandwidth as course``.
 
 They raise ``AssertionError`` with an explanation, and return quietly when the code is right.
 
@@ -26,8 +34,8 @@ frames). Importing from the submodule gives the unwrapped function.
 """
 import functools
 
-MODULES = ("all_reduce", "basics", "comm_hook", "debugging", "diffusion", "fsdp", "grad_avg", "lora", "micro_ddp",
-           "parallel", "zero")
+MODULES = ("accumulation", "all_reduce", "bandwidth", "basics", "buckets", "comm_hook", "debugging", "diffusion",
+           "fsdp", "grad_avg", "lora", "micro_ddp", "parallel", "tour", "tradeoffs", "zero")
 
 _WRAPPED = {}  # name -> wrapped checker, so every import returns the same object
 
@@ -55,15 +63,6 @@ def verdict_only(checker):
     check.__wrapped__ = checker
     check._verdict_only = True
     return check
-
-
-def verdict_error(message):
-    """An ``AssertionError`` for a checker's verdict that IPython shows as ``verdict_only`` does: the learner's
-    own lines, then the verdict. For self-checks that learners call from a module other than this package
-    (``bench``, 04_measuring_bandwidth), which ``verdict_only`` does not wrap."""
-    exc = AssertionError(message)
-    exc._render_traceback_ = functools.partial(_render_verdict, exc)
-    return exc
 
 
 def _shown_frames(tb):
@@ -108,6 +107,8 @@ def __getattr__(name):  # import a checker's module only when it is used
 
     if name in _WRAPPED:
         return _WRAPPED[name]
+    if name in MODULES:  # a checker's module itself (its solutions): ``from course_utils.checks import tour``
+        return importlib.import_module(f"course_utils.checks.{name}")
     for module in MODULES:
         try:
             mod = importlib.import_module(f"course_utils.checks.{module}")

@@ -26,8 +26,6 @@ import math
 
 import torch
 
-from course_utils.checks import verdict_error
-
 __all__ = ["check_grad_averaging", "check_adam_hides_the_bug", "RTOL"]
 
 D_IN = 16
@@ -41,9 +39,6 @@ _COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "al
                 "batch_isend_irecv", "gather", "scatter", "broadcast_object_list")
 
 _CLUSTERS = {}  # world_size -> Cluster, reused across calls when no %%ddp cluster is running
-
-
-_fail = verdict_error  # the learner's line and the verdict, not our frames
 
 
 def _pick_sizes(world_size):
@@ -685,7 +680,7 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
     try:
         results = cluster.run(_run_on_rank, fn, cases, timeout=timeout)
     except DistributedTimeout as exc:
-        raise _fail(
+        raise AssertionError(
             f"Your function hung: {exc.summary.split(' (')[0]}. A collective waits until EVERY rank calls it, "
             "in the same order: is an all_reduce inside `if rank == 0:`, or called a different number of "
             "times on different ranks?") from None
@@ -694,12 +689,13 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
         problem = _compare([results[r][i]["grads"] for r in range(ws)], _reference(case), case, wrong)
         unwaited = [r for r in range(ws) if any(c["sq_norm"] is None for c in results[r][i]["all_reduces"])]
         if problem and unwaited:   # wrong gradients and an all-reduce nobody waited for: that is the first cause
-            raise _fail(f"An all-reduce started with async_op=True was never waited for on rank {unwaited[0]} "
-                        f"{_describe_case(case)}, and the gradients are wrong: call .wait() on the work each "
-                        "dist.all_reduce(..., async_op=True) returns before your function returns; until then its "
-                        "result may not be in the tensor.")
+            raise AssertionError(
+                f"An all-reduce started with async_op=True was never waited for on rank {unwaited[0]} "
+                f"{_describe_case(case)}, and the gradients are wrong: call .wait() on the work each "
+                "dist.all_reduce(..., async_op=True) returns before your function returns; until then its "
+                "result may not be in the tensor.")
         if problem:
-            raise _fail(_with_hint(problem, exercise))
+            raise AssertionError(_with_hint(problem, exercise))
     if collectives is not None:
         for i, case in enumerate(cases):
             for r in range(ws):
@@ -709,7 +705,7 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
                     calls = ", ".join(f"dist.{name} x {n}" for name, n in sorted(counts.items()))
                     count = (" and this rank's sample count (one more element at the end, all-reduced with "
                              "them; divide by it afterwards)") if unequal else ""
-                    raise _fail(
+                    raise AssertionError(
                         f"Your gradients are right, but rank {r} called {total} collectives in one call ({calls}) "
                         f"{_describe_case(case)}; the exercise allows {collectives}. Each call pays the latency "
                         f"alpha once: flatten every gradient{count} into one tensor (torch.cat), all-reduce it "
@@ -727,7 +723,7 @@ def check_grad_averaging(fn, cluster=None, world_size=None, timeout=30, *, unequ
                     problem = _bucket_problem([c["numel"] for c in result["all_reduces"]], result["numels"],
                                               bucket_numel, where)
             if problem:
-                raise _fail(problem)
+                raise AssertionError(problem)
 
 
 # -- exercise 3: Adam hides the bug -----------------------------------------------------------------
@@ -741,20 +737,20 @@ def check_adam_hides_the_bug(bad, good, sgd_difference=None, loop=None):
     Introduced in 05_manual_gradient_averaging."""
     __tracebackhide__ = True
     if bad is None or good is None:
-        raise _fail("Set bad and good to the weights after article_loop() and article_loop(fix=True), "
-                    "both run with Adam, then run the cell again.")
+        raise AssertionError("Set bad and good to the weights after article_loop() and article_loop(fix=True), "
+                             "both run with Adam, then run the cell again.")
     if not (isinstance(bad, torch.Tensor) and isinstance(good, torch.Tensor)) or bad.shape != good.shape:
-        raise _fail("bad and good must be the two flat weight tensors that article_loop returns second "
-                    "(its return value is (first gradient, weights)).")
+        raise AssertionError("bad and good must be the two flat weight tensors that article_loop returns second "
+                             "(its return value is (first gradient, weights)).")
     diff = (bad - good).abs().max().item()
     if bad is good or diff == 0:
-        raise _fail("bad and good are identical: run the loop twice, once as the article wrote it "
-                    "(fix=False) and once fixed (fix=True).")
+        raise AssertionError("bad and good are identical: run the loop twice, once as the article wrote it "
+                             "(fix=False) and once fixed (fix=True).")
     if diff >= 1e-4:
         hint = f" (SGD's was {sgd_difference:.3g})" if sgd_difference is not None else ""
-        raise _fail(f"The weights differ by {diff:.3g}{hint}: that is the size of the W-times-too-large "
-                    "gradient under SGD. Build the optimizer as torch.optim.Adam(model.parameters(), lr=1e-3) "
-                    "in both runs.")
+        raise AssertionError(f"The weights differ by {diff:.3g}{hint}: that is the size of the W-times-too-large "
+                             "gradient under SGD. Build the optimizer as torch.optim.Adam(model.parameters(), lr=1e-3) "
+                             "in both runs.")
     if loop is not None:
         _, ref_bad = loop(make_optimizer=solution_make_adam)
         _, ref_good = loop(fix=True, make_optimizer=solution_make_adam)
@@ -763,14 +759,15 @@ def check_adam_hides_the_bug(bad, good, sgd_difference=None, loop=None):
             return torch.allclose(a, b, rtol=1e-9, atol=1e-12)
 
         if near(bad, ref_good) and near(good, ref_bad):
-            raise _fail("bad and good are swapped: bad is article_loop() as the article wrote it, good is "
-                        "article_loop(fix=True).")
+            raise AssertionError("bad and good are swapped: bad is article_loop() as the article wrote it, good is "
+                                 "article_loop(fix=True).")
         if not (near(bad, ref_bad) and near(good, ref_good)):
             off = max((bad - ref_bad).abs().max().item(), (good - ref_good).abs().max().item())
-            raise _fail(f"The two runs stay close ({diff:.3g} apart), but these are not Adam's weights: they are "
-                        f"{off:.3g} away from the same loops run with torch.optim.Adam(params, lr=1e-3). A tiny "
-                        "learning rate, or another optimizer that rescales the step (Adagrad, RMSprop), also keeps "
-                        "the runs close, for another reason: the exercise is about Adam's m / (sqrt(v) + eps).")
+            raise AssertionError(
+                f"The two runs stay close ({diff:.3g} apart), but these are not Adam's weights: they are "
+                f"{off:.3g} away from the same loops run with torch.optim.Adam(params, lr=1e-3). A tiny "
+                "learning rate, or another optimizer that rescales the step (Adagrad, RMSprop), also keeps "
+                "the runs close, for another reason: the exercise is about Adam's m / (sqrt(v) + eps).")
 
 
 # -- the course's solutions (try your own first) ---------------------------------------------------

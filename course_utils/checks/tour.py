@@ -12,6 +12,8 @@ produced; a number computed beside it that happens to equal it cannot be told ap
 tests/test_checker_sum_of_squares.py holds the verdicts.
 """
 
+__all__ = ["check_sum_of_squares", "sum_of_squares_solution"]
+
 
 def sum_of_squares_solution():
     """The course's answer: each rank contributes its own square, one all-reduce adds them up."""
@@ -135,7 +137,7 @@ def check_sum_of_squares(use_solution=False, cluster=None, timeout=30):
     cluster = cluster or get_cluster()
     n = cluster.world_size
     try:
-        got = cluster.run("from course_utils.tour import _probe as _course_probe\n"
+        got = cluster.run("from course_utils.checks.tour import _probe as _course_probe\n"
                           f"_course_probe(globals().get('sum_of_squares'), {bool(use_solution)})", timeout=timeout)
     except DistributedTimeout:
         raise AssertionError("sum_of_squares() hung: every rank must call the all-reduce, the same number of "
