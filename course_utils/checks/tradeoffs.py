@@ -13,7 +13,7 @@ __all__ = ["check_accum_steps", "check_weighted_sync", "smallest_accum_steps", "
            "SHARE_TRIALS"]
 
 
-# -- exercise 1: the smallest accum_steps ------------
+# -- exercise 1: the smallest accum_steps --------------------------------------------------------------------------
 def smallest_accum_steps(cal, *, world_size, params, micro_batch, share=0.10, overlap=False, limit=1_000_000):
     """Exercise 1's solution: the smallest accum_steps whose exposed communication is below ``share``."""
     for k in range(1, limit + 1):
@@ -52,6 +52,7 @@ def check_accum_steps(answer, cal, *, world_size, params, micro_batch, share=0.1
             f"reaches {share:.0%}.")
 
 
+# -- exercise 2: a sync for unequal shares -------------------------------------------------------------------------
 SHARE_TRIALS = ((24, 8), (5, 11))  # samples per rank in each of check_weighted_sync's trials (rank r: trial[r % 2])
 
 
