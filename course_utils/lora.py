@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils.memory import skip_frozen  # noqa: F401  (a name of this module since lesson 16)
+from course_utils.memory import skip_frozen, tracker_kinds
 from course_utils.true_size import GiB, MISTRAL_7B, LlamaShape
 
 __all__ = ["TINY", "LLAMA_2_7B", "MISTRAL_7B", "TARGETS", "LoRALinear", "add_lora", "lora_parameter_count",
            "tiny_tokenizer", "load_model", "quiet_transformers", "pretrain_tiny", "copy_into_peft",
            "peft_lora_config", "save_adapter", "lora_state_dict", "causal_lm_loss", "finetune_batch",
-           "true_size_peak", "llama_config", "card_verdicts", "peak_memory", "skip_frozen", "shard_lora", "train_steps"]
+           "true_size_peak", "llama_config", "card_verdicts", "skip_frozen", "shard_lora", "train_steps"]
 
 # The tiny Llama of the lesson: 2 decoder layers, grouped-query attention (4 query heads, 2 key/value heads) as
 # Llama 2 70B, Llama 3 and Mistral use; about 0.1M parameters, vocabulary = the corpus's characters.
@@ -244,28 +244,6 @@ def pretrain_tiny(path, steps=150, batch_size=16, lr=3e-3, seed=0, progress=None
     return losses
 
 
-# -- peak memory with frozen parameters ---------------------------------------------------------------------------
-def _peak_by_kind(tracker):
-    snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    return {getattr(k, "value", k): int(v) for k, v in snap.items()}
-
-
-def peak_memory(step, *tracked):
-    """course_utils.memory.peak_memory (13_fsdp_by_hand's meter) for models with frozen parameters: run ``step()``
-    once under ``MemTracker`` and return this rank's peak by kind, in bytes (see ``skip_frozen``)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(*tracked)
-    skip_frozen(tracker, *[t for t in tracked if isinstance(t, nn.Module)])
-    with tracker:
-        step()
-    by = _peak_by_kind(tracker)
-    return {"total": by.get("Total", 0), "parameters": by.get("Parameter", 0), "gradients": by.get("Gradient", 0),
-            "optimizer_state": by.get("Optstate", 0), "activations": by.get("Activation", 0),
-            "temporaries": by.get("Temp", 0) + by.get("Other", 0), "buffers": by.get("Buffer", 0)}
-
-
 # -- true size, with fake tensors ---------------------------------------------------------------------------------
 def llama_config(config):
     """``LlamaConfig``'s arguments for ``config``: a dict of them (``LLAMA_2_7B``) is returned as it is, a
@@ -386,16 +364,11 @@ def true_size_peak(config=LLAMA_2_7B, *, lora=True, strategy="fsdp", world_size=
             skip_frozen(tracker, model)
             with tracker:
                 step()
-            by = _peak_by_kind(tracker)
+            out = tracker_kinds(tracker.get_tracker_snapshot("peak"), fold={"comm_buffers": "temporaries"})
         bucket = 4 * n_trainable if strategy == "ddp" else 0      # DDP's fp32 bucket copy, allocated in C++
-        kinds = {"parameters": ("Parameter", "Sharded Param", "Unsharded Param"),
-                 "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"),
-                 "optimizer_state": ("Optstate", "OptState"), "activations": ("Activation", "Inputs"),
-                 "temporaries": ("Temp", "Other", "All Gather", "Reduce Scatter"),
-                 "buffers": ("Buffer",)}
-        out = {kind: sum(by.get(k, 0) for k in keys) for kind, keys in kinds.items()}
         out["buffers"] += bucket
-        out.update(total=by.get("Total", 0) + bucket, params=params, trainable=n_trainable,
+        out["total"] += bucket
+        out.update(params=params, trainable=n_trainable,
                    foreach_extra=4 * n_trainable // (world_size if strategy == "fsdp" else 1))
         return out
     finally:

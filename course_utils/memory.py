@@ -20,7 +20,7 @@ import weakref
 import torch
 
 __all__ = ["ActivationMeter", "measure_step_memory", "tensor_bytes", "format_bytes", "MEMORY_KINDS",
-           "ddp_bucket_bytes"]
+           "ddp_bucket_bytes", "peak_memory", "least_peak", "skip_frozen", "TRACKER_KINDS", "tracker_kinds"]
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -262,13 +262,65 @@ def _dispatch_and_track(tracker, func, types, args, kwargs, reftypes, before_out
     return res
 
 
+# torch's tracker categories (MemTracker's ``_MemRefType``, FSDPMemTracker's ``_FSDPRefType``, torch 2.13) as the
+# course's kinds: the one mapping that peak_memory, true_size.measure_step and lora.true_size_peak read, through
+# tracker_kinds (tests/test_memory.py, test_tracker_kinds_names_every_category_of_torch_s_trackers).
+TRACKER_KINDS = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+    "Optstate": "optimizer_state", "OptState": "optimizer_state",
+    "Activation": "activations", "Inputs": "activations",
+    "Temp": "temporaries", "Other": "temporaries",
+    "All Gather": "comm_buffers", "Reduce Scatter": "comm_buffers",
+    "Buffer": "buffers",
+}
+_TRACKED_KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "comm_buffers", "buffers")
+
+
+def tracker_kinds(snapshot, fold=None):
+    """A torch memory tracker's snapshot (``get_tracker_snapshot``: ``{device: {category: bytes}}``) as the course's
+    kinds, in bytes: ``{"parameters", "gradients", "optimizer_state", "activations", "temporaries", "comm_buffers",
+    "buffers", "total"}``, through ``TRACKER_KINDS``.
+
+    The first device the tracker met is read (the course's meters measure one device: the model's). A category
+    ``TRACKER_KINDS`` does not name counts as a temporary, so the kinds still add up to the total. ``fold``:
+    ``{kind: into}`` counts ``kind`` under ``into`` and leaves its key out (``peak_memory`` and
+    ``lora.true_size_peak`` count FSDP's communication buffers with the temporaries, ``true_size.measure_step`` a
+    module's buffers with its parameters).
+    """
+    fold = fold or {}
+    out = {kind: 0 for kind in _TRACKED_KINDS if kind not in fold}
+    out["total"] = 0
+    for category, nbytes in next(iter(snapshot.values()), {}).items():
+        category = getattr(category, "value", category)
+        if category == "Total":
+            out["total"] = int(nbytes)
+        else:
+            kind = TRACKER_KINDS.get(category, "temporaries")
+            out[fold.get(kind, kind)] += int(nbytes)
+    return out
+
+
+class _GlobalPeakOnly:
+    """Mixed in before torch's ``MemTracker`` or ``FSDPMemTracker``: after every op, update only the global peak,
+    as torch 2.13's ``_update_peak_stats`` computes it, and not the peak of every module running (a loop over every
+    module seen, per op). tests/test_memory.py and tests/test_true_size.py check the peaks against torch's
+    own trackers."""
+
+    def _update_peak_stats(self, peak_state):
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                self._peak_mem[dev] = dev_snap["Total"]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+
 def _step_peak_tracker():
     """torch's ``MemTracker``, keeping only the step's global peak (what ``peak_memory`` returns).
 
     After every op MemTracker also updates a peak per module that is running, looping over every module it has
     seen: on a 24-block GPT that loop made a tracked step 100x slower than a plain one (30 s against 0.3 s on one
     core). This subclass skips the per-module peaks and snapshots (``memory_tracking``'s snapshots stay empty)
-    and keeps the global one exactly as MemTracker computes it (``_update_peak_stats``, torch 2.13): about 7x
+    and keeps the global one exactly as MemTracker computes it (``_GlobalPeakOnly``): about 7x
     faster. Its module hooks keep what decides a tensor's kind (a module's parameters and gradients tracked when
     it first runs; the checkpointed region in backward, whose recomputation counts as activations), and its
     ``__torch_dispatch__`` is ``_dispatch_and_track``: MemTracker's, with a plain walk over the outputs instead of
@@ -290,16 +342,10 @@ def _step_peak_tracker():
         def _fw_post_hook(self, mod, input, output):
             self._user_post_fw_hook(mod, input, output)
 
-    class StepPeakTracker(MemTracker):
+    class StepPeakTracker(_GlobalPeakOnly, MemTracker):
         def __init__(self):
             super().__init__()
             self._mod_tracker = HooksOnly()
-
-        def _update_peak_stats(self, peak_state):
-            for dev, dev_snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
-                    self._peak_mem[dev] = dev_snap["Total"]
-                    self._peak_mem_snap[dev] = dict(dev_snap)
 
         # MemTracker's module hooks (torch 2.13) without their per-module snapshots
         def _pre_fw_hook(self, module, inputs):
@@ -331,10 +377,11 @@ def peak_memory(step, *tracked):
     """Run ``step()`` once under torch's ``MemTracker`` and return this rank's peak, by kind, in bytes.
 
     Introduced in 13_fsdp_by_hand. The peak is the largest total over the whole step (forward,
-    backward, optimizer step), not a snapshot after it; the kinds are those at that moment::
+    backward, optimizer step), not a snapshot after it; the kinds are those at that moment
+    (``tracker_kinds``)::
 
-        {"total": ..., "parameters": ..., "gradients": ..., "optimizer_state": ...,
-         "activations": ..., "temporaries": ..., "buffers": ...}
+        {"parameters": ..., "gradients": ..., "optimizer_state": ..., "activations": ...,
+         "temporaries": ..., "buffers": ..., "total": ...}
 
     ``tracked``: the model(s) and optimizer(s), passed to ``MemTracker.track_external``. MemTracker
     (``torch.distributed._tools.mem_tracker``, CPU included in torch 2.13) sees every storage
@@ -351,11 +398,16 @@ def peak_memory(step, *tracked):
     any other module's forward and outside backward. That clears only the per-module statistics; the peak
     over the whole step, which this function returns, is kept. (A checkpointed block's recomputation runs
     inside backward: it is not a new micro-batch.)
+
+    **Frozen parameters** (LoRA's base, 16_fine_tuning_small_cards): torch 2.13's MemTracker hooks a gradient onto
+    every parameter it meets and a frozen one refuses; ``skip_frozen`` hooks only the trainable ones of the modules
+    in ``tracked``, and the frozen ones still count as parameters.
     """
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     tracker = _step_peak_tracker()
     tracker.track_external(*tracked)
+    skip_frozen(tracker, *[t for t in tracked if isinstance(t, torch.nn.Module)])
     depth = [0]                                       # module forwards running now (outside backward)
 
     def pre(module, args):
@@ -377,12 +429,7 @@ def peak_memory(step, *tracked):
     finally:
         for h in handles:
             h.remove()
-    snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    by = {getattr(k, "value", k): int(v) for k, v in snap.items()}
-    return {"total": by.get("Total", 0), "parameters": by.get("Parameter", 0), "gradients": by.get("Gradient", 0),
-            "optimizer_state": by.get("Optstate", 0), "activations": by.get("Activation", 0),
-            "temporaries": by.get("Temp", 0) + by.get("Other", 0), "buffers": by.get("Buffer", 0)}
-
+    return tracker_kinds(tracker.get_tracker_snapshot("peak"), fold={"comm_buffers": "temporaries"})
 
 
 def least_peak(step, *tracked, repeats=3):

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_utils.memory import _step_peak_tracker, skip_frozen
+from course_utils.memory import (_dispatch_and_track, _GlobalPeakOnly, _step_peak_tracker, _tracker_imports,
+                                 skip_frozen, tracker_kinds)
 
 GB = 1e9
 GiB = 2 ** 30
@@ -143,46 +144,26 @@ def fake_world(world_size):
 
 
 def _kinds(snapshot):
-    """A tracker's snapshot ({device: {reftype: bytes}}) as this course's kinds, in bytes."""
-    out = dict(parameters=0, gradients=0, optimizer_state=0, activations=0, temporaries=0, comm_buffers=0, total=0)
-    where = {"Sharded Param": "parameters", "Unsharded Param": "parameters", "Parameter": "parameters",
-             "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "Gradient": "gradients",
-             "Optstate": "optimizer_state", "OptState": "optimizer_state",
-             "Activation": "activations", "Temp": "temporaries",
-             "All Gather": "comm_buffers", "Reduce Scatter": "comm_buffers", "Buffer": "parameters",
-             "Inputs": "activations", "Other": "temporaries"}
-    for dev_snap in snapshot.values():
-        for kind, nbytes in dev_snap.items():
-            key = getattr(kind, "value", kind)
-            if key == "Total":
-                out["total"] += nbytes
-            else:
-                out[where.get(key, "temporaries")] += nbytes
-    return out
+    """A tracker's snapshot as this course's kinds (``memory.tracker_kinds``), in bytes: a module's buffers (a
+    library model's rotary table) count with its parameters, FSDP's all-gather and reduce-scatter outputs as
+    ``comm_buffers``."""
+    return tracker_kinds(snapshot, fold={"buffers": "parameters"})
 
 
 def _fsdp_step_peak_tracker(model, optimizer):
     """torch's ``FSDPMemTracker``, keeping only the global peak (what ``measure_step`` reads), as
     ``course_utils.memory._step_peak_tracker`` does for ``MemTracker``: after every op FSDPMemTracker also
     updates a peak per FSDP module that is running, a loop over every module it has seen (a fifth of a 7B
-    step's time). The global peak is computed exactly as torch 2.13's ``_update_peak_stats`` does. Its
+    step's time). Its global peak is torch 2.13's, kept by ``memory._GlobalPeakOnly``. Its
     ``__torch_dispatch__`` is torch 2.13's through ``course_utils.memory._dispatch_and_track`` (shared with the
     replica tracker): FSDP's all-gather and reduce-scatter outputs relabelled as its communication buffers, then
     every output tracked."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
 
-    from course_utils.memory import _dispatch_and_track, _tracker_imports
-
     _tracker_imports()
     c10d = torch.ops.c10d
 
-    class FSDPStepPeakTracker(FSDPMemTracker):
-        def _update_peak_stats(self, peak_state):
-            for dev, dev_snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
-                    self._peak_mem[dev] = dev_snap["Total"]
-                    self._peak_mem_snap[dev] = dict(dev_snap)
-
+    class FSDPStepPeakTracker(_GlobalPeakOnly, FSDPMemTracker):
         def _comm_buffers(self, func, args):
             if func is c10d._allgather_base_.default and self._fsdp_state in (_FSDPState.PRE_FW, _FSDPState.PRE_BW):
                 self._update_and_maybe_create_winfos(args[0], _FSDPRefType.ALL_GATHER, update_existing=True)

@@ -1,5 +1,6 @@
 """course_utils.lora (16_fine_tuning_small_cards): LoRA by hand equals peft, merges, saves adapters peft loads, and
-the frozen-parameter peak meter and the fake-tensor true-size measurement agree with the formulas. One process.
+lesson 13's peak meter (memory.peak_memory) over a frozen base and the fake-tensor true-size measurement agree with
+the formulas. One process.
 
     .venv/bin/python -m pytest tests/test_lora.py -p no:randomly
 """
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from course_utils.lora import (LoRALinear, add_lora, causal_lm_loss, copy_into_peft, finetune_batch,
-                               lora_parameter_count, load_model, peak_memory, peft_lora_config, save_adapter,
-                               tiny_tokenizer, true_size_peak)
+                               lora_parameter_count, load_model, peft_lora_config, save_adapter, tiny_tokenizer,
+                               true_size_peak)
+from course_utils.memory import peak_memory
 from course_utils.true_size import LlamaShape
 
 TARGETS, R, ALPHA = ("q_proj", "v_proj"), 4, 8

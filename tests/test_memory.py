@@ -254,6 +254,54 @@ def test_peak_memory_with_accumulation_and_checkpointing():
     assert checkpointed["activations"] < plain["activations"], (plain, checkpointed)
 
 
+def test_peak_memory_is_torch_s_own_peak_and_accepts_frozen_parameters(monkeypatch):
+    """peak_memory's tracker skips MemTracker's per-module peaks and walks an op's outputs its own way: on one
+    micro-batch (torch's MemTracker refuses a second) of a checkpointed model whose first block is frozen (LoRA's
+    case, lesson 16), the peak by kind is torch's MemTracker's own, to the byte, and frozen weights are parameters."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import course_utils.memory as memory
+
+    model = _Deep(checkpointed=True)
+    model.blocks[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    step()                                            # Adam's moments exist from the second step on
+    ours = memory.peak_memory(step, model, optimizer)
+    monkeypatch.setattr(memory, "_step_peak_tracker", MemTracker)
+    torch_s = memory.peak_memory(step, model, optimizer)
+    assert ours == torch_s, (ours, torch_s)
+    assert ours["parameters"] == 4 * sum(p.numel() for p in model.parameters()), ours
+
+
+def test_tracker_kinds_names_every_category_of_torch_s_trackers():
+    """One mapping from torch's tracker categories to the course's kinds: every category of MemTracker and
+    FSDPMemTracker has its kind (one torch adds later counts as a temporary: this test fails first); a fold moves a
+    kind's bytes and drops its key; only the first device is read."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    from course_utils.memory import TRACKER_KINDS, tracker_kinds
+
+    categories = {r.value for r in (*_MemRefType, *_FSDPRefType)}
+    assert categories == set(TRACKER_KINDS), categories ^ set(TRACKER_KINDS)
+    snapshot = {torch.device("cpu"): {_FSDPRefType.SHARDED_PARAM: 8, _MemRefType.BUFFER: 2, _MemRefType.OPT: 16,
+                                      _FSDPRefType.ALL_GATHER: 4, "A later category": 1, "Total": 31},
+                torch.device("meta"): {_MemRefType.PARAM: 100, "Total": 100}}
+    assert tracker_kinds(snapshot) == dict(parameters=8, gradients=0, optimizer_state=16, activations=0,
+                                           temporaries=1, comm_buffers=4, buffers=2, total=31)
+    assert tracker_kinds(snapshot, fold={"buffers": "parameters"}) == dict(
+        parameters=10, gradients=0, optimizer_state=16, activations=0, temporaries=1, comm_buffers=4, total=31)
+    assert tracker_kinds({}) == dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations",
+                                               "temporaries", "comm_buffers", "buffers", "total"), 0)
+
+
 # -- DDP's bucket: the meter sees it, so nothing may add it again (lessons 12 and 13) ---------------------------
 def _bucket_in_the_tracker(with_hook):
     """A DDP step measured by peak_memory, with the tracker it used kept (course_utils.memory._step_peak_tracker

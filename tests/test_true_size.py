@@ -135,6 +135,24 @@ def test_a_frozen_base_with_adapters_is_measured_as_real_tensors_are(setup):
     assert fake["step"]["parameters"] >= 2 * (TINY.n_params / W), "the base is kept, in bf16"
 
 
+@pytest.mark.parametrize("setup", [dict(strategy="replica"), dict(strategy="fsdp2", world_size=2,
+                                                                    mixed_precision=True)])
+def test_the_step_trackers_keep_torch_s_own_peak(setup, monkeypatch):
+    """measure_step's trackers skip torch's per-module peaks and walk an op's outputs their own way: each phase's
+    peak, by kind, is still the one torch's MemTracker (FSDPMemTracker) measures, to the byte, over a frozen base
+    with adapters and checkpointed blocks."""
+    import course_utils.true_size as true_size
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    ours = measure_step(TINY, seq_len=32, checkpoint=True, modify=_lora_over_bf16_base, **setup)
+    monkeypatch.setattr(true_size, "_step_peak_tracker", MemTracker)
+    monkeypatch.setattr(true_size, "_fsdp_step_peak_tracker", FSDPMemTracker)
+    torch_s = measure_step(TINY, seq_len=32, checkpoint=True, modify=_lora_over_bf16_base, **setup)
+    for phase in ("forward", "backward", "step"):
+        assert ours[phase] == torch_s[phase], (setup, phase, ours[phase], torch_s[phase])
+
+
 @pytest.mark.parametrize("setup", [dict(strategy="fsdp2", world_size=2), dict(strategy="fsdp2", world_size=4,
                                    mixed_precision=True, checkpoint=True), dict(strategy="replica", foreach=True),
                                    dict(strategy="fsdp2", world_size=2, foreach=True, fake=False),
