@@ -6,12 +6,20 @@
 - ``asleep(pid)``: every thread of a process is asleep (Linux).
 - ``wait_until_the_fork_server_has_imported_everything()``: the second fork server has imported LATER and serves.
 - ``check_multiprocessing_with_cell_code(cluster)``: multiprocessing on a rank with what the cells define.
+- ``check_cells_run_in_a_real_main_module(cluster)``: sys.argv and __main__ on a rank, as under torchrun.
+- ``check_an_exception_names_its_rank_and_releases_the_others(cluster)``: a raise on one rank, the others released.
+- ``check_settings_read_when_a_library_loads(monkeypatch, world_size)``: the notebook's environment of the moment.
+- ``check_output_*(cluster, capfd)``: how a rank's output reaches the notebook, on a cluster of either start path.
 """
 import os
+import re
+import resource
 import shutil
 import sys
 import tempfile
 import time
+
+import pytest
 
 
 class Kernel:
@@ -225,3 +233,119 @@ def check_multiprocessing_with_cell_code(cluster):
                       "                                     multiprocessing_context='spawn', timeout=60)\n"
                       "[b.tolist() for b in loader]")
     assert got == [[0.0, 1.0], [4.0, 9.0]], ("DataLoader", got)
+
+
+def check_cells_run_in_a_real_main_module(cluster):
+    """On either start path: sys.argv is one value, and a cell's class and function pickle by reference from the
+    cells' own __main__ (torch.save of a model, pickle round trips)."""
+    got = cluster.run("import sys, io, pickle, torch\n"
+                      "class Net(torch.nn.Module):\n"
+                      "    def __init__(self):\n        super().__init__()\n        self.fc = torch.nn.Linear(2, 2)\n"
+                      "def double(x):\n    return 2 * x\n"
+                      "buf = io.BytesIO()\ntorch.save(Net(), buf)\n"
+                      "(sys.argv, sys.modules['__main__'].Net is Net, type(pickle.loads(pickle.dumps(Net()))).__name__,"
+                      " pickle.loads(pickle.dumps(double))(21))")
+    assert got == [(["ddp-cell"], True, "Net", 42)] * cluster.world_size, got
+
+
+def check_an_exception_names_its_rank_and_releases_the_others(cluster):
+    """Rank world_size // 2 raises while the others wait in a collective: the report names it, its line and where
+    each other rank was (never "raised"), the others are released (no timeout), and the names are kept."""
+    from course_utils import DistributedError, DistributedTimeout
+
+    n = cluster.world_size
+    bad = n // 2
+    cluster.run("persisted = rank + 100")
+    with pytest.raises(DistributedError) as info:  # a 120 s limit: without the release, a DistributedTimeout
+        cluster.run("import torch, torch.distributed as dist\n"
+                    f"if rank == {bad}:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))",
+                    timeout=120)
+    e = info.value
+    assert not isinstance(e, DistributedTimeout), "the waiting ranks must be released, not timed out"
+    assert isinstance(e, RuntimeError)
+    assert (e.rank, e.exc_type, e.exc_message) == (bad, "ValueError", "bad shard")
+    text = str(e)
+    assert f"rank {bad} failed with ValueError: bad shard" in text
+    assert "raise ValueError('bad shard')" in text, "the traceback shows the code's own lines"
+    for r in set(range(n)) - {bad}:  # where it was when the rank failed (its stack), or released from the
+        assert re.search(rf"rank {r}: was (running|waiting)", text), text  # collective: never "raised"
+    assert cluster.run("persisted") == [100 + r for r in range(n)], "soft recovery keeps the names"
+    assert cluster.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") \
+        == [float(n)] * n
+
+
+def check_settings_read_when_a_library_loads(monkeypatch, world_size):
+    """TORCH_DISTRIBUTED_DEBUG and OPENBLAS_NUM_THREADS set in the notebook after the engine started reach a new
+    cluster's ranks, though torch and numpy read them when they load (in the fork server, on that path)."""
+    from course_utils import Cluster
+
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    with Cluster(world_size=world_size, backend="gloo") as c:
+        got = c.run("import numpy, torch.distributed as dist\nfrom threadpoolctl import threadpool_info\n"
+                    "(str(dist.get_debug_level()), sorted({p['num_threads'] for p in threadpool_info() "
+                    "if p['internal_api'] == 'openblas'}))")  # numpy loads its OpenBLAS
+    for level, blas in got:
+        assert level.endswith("DETAIL"), level
+        if not blas:
+            pytest.skip("threadpoolctl finds no OpenBLAS in the ranks (numpy built against another BLAS): "
+                        "OPENBLAS_NUM_THREADS cannot be checked here")
+        assert blas == [1], f"OpenBLAS pools run {blas} threads with OPENBLAS_NUM_THREADS=1"
+
+
+# ---- output, on a cluster of either start path -------------------------------------------------------------------
+def check_output_is_prefixed_and_grouped(cluster, capfd, stagger_s=0.0):
+    """Python, fd-level and C writes come back as whole "[rank N] " lines grouped in rank order (``stagger_s``: each
+    higher rank prints that much earlier); stderr keeps its text and a warning is not prefixed twice."""
+    cluster.run("import os, sys, ctypes, time, warnings\n"
+                f"time.sleep({stagger_s} * (world_size - 1 - rank))\n"
+                "print('py', rank)\n"
+                "os.write(1, b'fd-level ' + str(rank).encode() + b'\\n')\n"
+                "libc = ctypes.CDLL(None); libc.printf(b'from C %d\\n', rank)\n"
+                "print('to stderr', file=sys.stderr)\n"
+                "warnings.warn('careful')\n"
+                "print()\n"
+                "sys.stdout.write('no newline')")
+    out, err = capfd.readouterr()
+    ranks = range(cluster.world_size)
+    expected = "".join(f"[rank {r}] py {r}\n[rank {r}] fd-level {r}\n[rank {r}] from C {r}\n[rank {r}] \n"
+                       f"[rank {r}] no newline\n" for r in ranks)
+    assert out == expected, f"stdout must be whole lines in rank order:\n{out}"
+    for r in ranks:
+        assert f"[rank {r}] to stderr\n" in err
+        assert f"[rank {r}] Warning" not in err and "UserWarning: careful" in err
+
+
+def check_output_to_sys_stdout_none_keeps_the_ranks(cluster, capfd):
+    """A cell that sets sys.stdout = None leaves the same ranks, their names, and no engine frames in the output."""
+    pids = list(cluster.pids)
+    cluster.run_cell("import sys\nsys.stdout = None\nx = rank")
+    err = capfd.readouterr().err
+    assert cluster.run("x") == list(range(cluster.world_size)) and cluster.pids == pids
+    assert "_worker.py" not in err, f"engine frames in the output:\n{err}"
+    cluster.run_cell("import sys\nsys.stdout = sys.__stdout__")
+
+
+def _cpu_seconds():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def check_output_after_fd_1_is_redirected(cluster, capfd):
+    """A cell that redirects fd 1 finishes at once, the next cell's sleep is not stretched by the closed stdout
+    pipe, the notebook does not spin on it, stderr still arrives, and the ranks keep their names. The cluster's
+    ranks keep their stdout closed: it is shut down at the end."""
+    cluster.run("kept = rank + 10")
+    pids, last = list(cluster.pids), cluster.world_size - 1
+    t0, cpu0 = time.monotonic(), _cpu_seconds()
+    cluster.run_cell("import os, sys\nos.dup2(os.open(os.devnull, os.O_WRONLY), 1)\nprint('silenced')\n"
+                     "print('still on stderr', file=sys.stderr)")
+    cluster.run_cell("import time\ntime.sleep(2)")  # the closed stdout pipe must not keep the notebook busy
+    took, cpu = time.monotonic() - t0, _cpu_seconds() - cpu0
+    out, err = capfd.readouterr()
+    assert took < 12, f"the cells took {took:.1f} s for 2 s of sleep: the notebook waited for output that never comes"
+    assert cpu < 1.0, f"the notebook used {cpu:.2f} s of CPU in {took:.1f} s: a closed pipe is being polled"
+    assert "silenced" not in out and f"[rank {last}] still on stderr" in err
+    assert cluster.run("kept") == [10 + r for r in range(cluster.world_size)] and cluster.pids == pids, \
+        "same ranks, names kept"
+    cluster.shutdown()

@@ -13,6 +13,8 @@ import time
 import pytest
 
 from conftest import alive
+from engine_helpers import (check_an_exception_names_its_rank_and_releases_the_others,
+                            check_output_is_prefixed_and_grouped)
 from course_utils import Cluster, DistributedError, DistributedTimeout, launch
 
 
@@ -136,44 +138,12 @@ def test_each_rank_runs_with_its_share_of_the_cores_and_blas_works(make_cluster)
 
 # -- output -----------------------------------------------------------------------------------
 def test_output_is_prefixed_grouped_and_includes_fd_level_writes(cluster4, capfd):
-    cluster4.run(
-        "import os, sys, ctypes, warnings\n"
-        "print('py', rank)\n"
-        "os.write(1, b'fd-level ' + str(rank).encode() + b'\\n')\n"
-        "libc = ctypes.CDLL(None); libc.printf(b'from C %d\\n', rank)\n"
-        "print('to stderr', file=sys.stderr)\n"
-        "warnings.warn('careful')\n"
-        "print()\n"
-        "sys.stdout.write('no newline')")
-    out, err = capfd.readouterr()
-    expected = "".join(f"[rank {r}] py {r}\n[rank {r}] fd-level {r}\n[rank {r}] from C {r}\n[rank {r}] \n"
-                       f"[rank {r}] no newline\n"
-                       for r in range(4))
-    assert out == expected, f"stdout must be whole lines in rank order:\n{out}"
-    for r in range(4):
-        assert f"[rank {r}] to stderr\n" in err
-        assert f"[rank {r}] Warning" not in err and "UserWarning: careful" in err
+    check_output_is_prefixed_and_grouped(cluster4, capfd)
 
 
 # -- failures -----------------------------------------------------------------------------------
 def test_exception_names_first_rank_and_releases_the_others(cluster4):
-    cluster4.run("persisted = rank + 100")
-    with pytest.raises(DistributedError) as info:  # a 120 s limit: without the release, a DistributedTimeout
-        cluster4.run("import torch, torch.distributed as dist\n"
-                     "if rank == 2:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))", timeout=120)
-    e = info.value
-    assert not isinstance(e, DistributedTimeout), "the waiting ranks must be released, not timed out"
-    assert isinstance(e, RuntimeError)
-    assert (e.rank, e.exc_type, e.exc_message) == (2, "ValueError", "bad shard")
-    text = str(e)
-    assert "rank 2 failed with ValueError: bad shard" in text
-    assert "raise ValueError('bad shard')" in text, "the traceback shows the code's own lines"
-    for r in (0, 1, 3):  # where it was when rank 2 failed (its stack), or released from the collective: never
-        assert re.search(rf"rank {r}: was (running|waiting)", text), text  # "raised" (its own error)
-    assert cluster4.run("persisted") == [100, 101, 102, 103], "soft recovery keeps the names"
-    assert cluster4.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") \
-        == [4.0] * 4
-
+    check_an_exception_names_its_rank_and_releases_the_others(cluster4)
 
 def test_ranks_are_released_after_torch_dynamo_is_imported(cluster4):
     # The first optimizer or DDP wrapper imports torch._dynamo, after which destroying the process
@@ -517,19 +487,6 @@ def test_every_socket_listens_on_loopback_only(cluster4):
     addrs = listening_addresses(cluster4.pids)
     assert addrs, "the ranks should be listening somewhere (store, gloo): the check would be vacuous"
     assert set(addrs) <= LOOPBACK, f"a socket listens beyond 127.0.0.1: {addrs}"
-
-
-def test_repeated_launches_leak_no_processes_or_fds():
-    def open_fds():
-        return len(os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"))
-
-    launch(lambda: 0, world_size=2, backend="gloo")  # warm imports
-    fds, launches, pids = open_fds(), 4, []
-    for _ in range(launches):
-        pids += launch(lambda: os.getpid(), world_size=2, backend="gloo")
-    # a leaking engine leaks 8 or more per launch (4 pipes per rank); a stray thread elsewhere, a few once
-    assert open_fds() - fds < launches, f"file descriptors leaked: {open_fds() - fds} over {launches} launches"
-    assert not [p for p in pids if alive(p)], "worker processes leaked"
 
 
 def test_restart_and_shutdown():

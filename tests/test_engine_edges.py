@@ -102,6 +102,7 @@ START_STOP = textwrap.dedent("""
     import os, signal, threading, time
     from course_utils import Cluster
     from course_utils.engine import _forkstart
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel, also when started with SIGINT ignored
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     t0 = time.monotonic()
     try:

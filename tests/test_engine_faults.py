@@ -2,10 +2,10 @@
 engine promises of the tests audit that need the engine itself.
 
 Each test failed on the engine before the fix. test_engine_spawn_start.py checks the start path of fresh
-interpreters on a few of them (a shared 2-rank cluster); the rest apply to the fork server's start.
+interpreters on a few of them (a shared 2-rank cluster), test_portability.py runs the stop during a start on both
+paths; the rest apply to the fork server's start.
 """
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -16,16 +16,13 @@ import time
 import pytest
 
 from conftest import ROOT, in_ci
-from engine_helpers import asleep, ranks_below
+from engine_helpers import (asleep, check_cells_run_in_a_real_main_module, check_output_after_fd_1_is_redirected,
+                            check_output_to_sys_stdout_none_keeps_the_ranks, check_settings_read_when_a_library_loads,
+                            ranks_below)
 from course_utils import Cluster, DistributedError
 from course_utils.engine import _forkstart, export, magic, reports
 
 CHILD_ENV = dict(os.environ, PYTHONPATH=str(ROOT))
-
-
-def _cpu_seconds():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 @pytest.fixture(scope="module")
@@ -35,30 +32,11 @@ def two(make_cluster):
 
 # -- 1. output without end marks -----------------------------------------------------------------
 def test_a_cell_that_redirects_fd_1_finishes_at_once_keeps_the_names_and_does_not_spin(make_cluster, capfd):
-    c = make_cluster(2, timeout=21)  # its own ranks: their stdout stays closed
-    c.run("kept = rank + 10")
-    pids = list(c.pids)
-    t0, cpu0 = time.monotonic(), _cpu_seconds()
-    c.run_cell("import os, sys\nos.dup2(os.open(os.devnull, os.O_WRONLY), 1)\nprint('silenced')\n"
-               "print('still on stderr', file=sys.stderr)")
-    c.run_cell("import time\ntime.sleep(2)")  # the closed stdout pipe must not keep the notebook busy
-    took, cpu = time.monotonic() - t0, _cpu_seconds() - cpu0
-    out, err = capfd.readouterr()
-    assert took < 12, f"the cell waited {took:.1f} s: the notebook waited for output that never comes"
-    assert cpu < 1.0, f"the notebook used {cpu:.2f} s of CPU in {took:.1f} s: a closed pipe is being polled"
-    assert "silenced" not in out and "[rank 1] still on stderr" in err
-    assert c.run("kept") == [10, 11] and c.pids == pids, "same ranks, names kept"
-    c.shutdown()
+    check_output_after_fd_1_is_redirected(make_cluster(2, timeout=21), capfd)  # its own ranks: stdout stays closed
 
 
 def test_a_cell_that_sets_sys_stdout_to_none_does_not_kill_the_rank(make_cluster, capfd):
-    c = make_cluster(2, timeout=22)
-    pids = list(c.pids)
-    c.run_cell("import sys\nsys.stdout = None\nx = rank")
-    err = capfd.readouterr().err
-    assert c.run("x") == [0, 1] and c.pids == pids
-    assert "_worker.py" not in err, f"engine frames in the output:\n{err}"
-    c.run_cell("import sys\nsys.stdout = sys.__stdout__")
+    check_output_to_sys_stdout_none_keeps_the_ranks(make_cluster(2, timeout=22), capfd)
 
 
 def test_output_is_grouped_by_rank_even_when_higher_ranks_print_first(two, capfd):
@@ -276,30 +254,11 @@ def test_every_rank_and_every_restart_draws_its_own_random_state(make_cluster):
 def test_settings_read_when_a_library_loads_follow_the_notebooks_environment(monkeypatch):
     with Cluster(world_size=2, backend="gloo") as warm:  # the server is running before the variables change
         warm.run("rank")
-    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    with Cluster(world_size=2, backend="gloo") as c:
-        got = c.run("import numpy, torch.distributed as dist\nfrom threadpoolctl import threadpool_info\n"
-                    "(str(dist.get_debug_level()), sorted({p['num_threads'] for p in threadpool_info() "
-                    "if p['internal_api'] == 'openblas'}))")  # numpy loads its OpenBLAS
-    for level, blas in got:
-        assert level.endswith("DETAIL"), level
-        if not blas:
-            pytest.skip("threadpoolctl finds no OpenBLAS in the ranks (numpy built against another BLAS): "
-                        "OPENBLAS_NUM_THREADS cannot be checked here")
-        assert blas == [1], f"OpenBLAS pools run {blas} threads with OPENBLAS_NUM_THREADS=1"
+    check_settings_read_when_a_library_loads(monkeypatch, world_size=2)
 
 
 def test_the_ranks_argv_is_one_value_and_cells_run_in_a_real_main_module(two):
-    got = two.run("import sys, io, pickle, torch\n"
-                  "class Net(torch.nn.Module):\n"
-                  "    def __init__(self):\n        super().__init__()\n        self.fc = torch.nn.Linear(2, 2)\n"
-                  "def double(x):\n    return 2 * x\n"
-                  "buf = io.BytesIO()\ntorch.save(Net(), buf)\n"
-                  "(sys.argv, sys.modules['__main__'].Net is Net, type(pickle.loads(pickle.dumps(Net()))).__name__,"
-                  " pickle.loads(pickle.dumps(double))(21))")
-    for argv, same, name, value in got:
-        assert argv == ["ddp-cell"] and same and name == "Net" and value == 42
+    check_cells_run_in_a_real_main_module(two)
 
 
 # -- torch.distributed.nn imported before any group (the capstone's abort) --------------------------------------------
@@ -397,54 +356,9 @@ def test_two_ranks_that_die_are_both_named(make_cluster):
     assert text.startswith("rank 1 died: it exited with code 6") and "rank 2: exited with code 7" in text, text
 
 
-# -- a start slow enough to stop ------------------------------------------------------------
-def test_interrupt_while_the_ranks_start_leaves_no_rank_running(monkeypatch):
-    """Run alone, first or after other tests, on either start path: the ranks are found wherever they are
-    (children of the fork server, which this very start may create, or of this process). One stop, as one
-    click of the stop button: a stop the engine lost would fail here."""
-    monkeypatch.setenv("COURSE_UTILS_TEST_HOLD_START_S", "30")  # every rank blocks before it says it is ready
-    before = _ranks_below(os.getpid())  # other clusters' ranks (module fixtures) are not this start's
-    seen, done = set(), threading.Event()
-
-    def stop_once_both_ranks_run():  # not a fixed delay: the first start also starts the fork server
-        deadline = time.monotonic() + 120
-        while not done.is_set() and time.monotonic() < deadline:
-            seen.update(_ranks_below(os.getpid()) - before)
-            if len(seen) >= 2:
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.05)
-
-    # SIGINT raises KeyboardInterrupt here as it does in a kernel while a cell runs (ipykernel installs Python's
-    # handler for the cell). A suite started in the background by a non-interactive shell (`nohup make test &`,
-    # as .ci/run was run by hand) inherits SIGINT *ignored*, Python then installs no handler, and the stop never
-    # arrives: that, not the engine, was this test's "DID NOT RAISE KeyboardInterrupt" in suite order (alone in
-    # the background it failed every time).
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    stopper = threading.Thread(target=stop_once_both_ranks_run, daemon=True)
-    stopper.start()
-    made = []
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            made.append(Cluster(world_size=2, backend="gloo"))
-    finally:
-        done.set()
-        stopper.join()
-        signal.signal(signal.SIGINT, previous)
-        for c in made:
-            c.shutdown()
-    assert not made and len(seen) == 2, f"the stop must land while both ranks start (saw {seen})"
-    deadline = time.monotonic() + 10
-    while True:
-        ranks = _ranks_below(os.getpid()) - before
-        if not ranks or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not ranks, f"ranks left running after a stop during start: {ranks}"
-
-
 def test_the_rank_finder_sees_the_ranks_on_this_start_path():
-    """What the test above relies on: a started cluster's ranks are exactly the new ones _ranks_below finds."""
+    """What test_portability.py's stop-during-start test relies on: a started cluster's ranks are exactly the new
+    ones _ranks_below finds."""
     before = _ranks_below(os.getpid())
     with Cluster(world_size=2, backend="gloo") as c:
         assert _ranks_below(os.getpid()) - before == set(c.pids)
