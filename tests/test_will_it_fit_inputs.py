@@ -1,12 +1,13 @@
 """scripts/will_it_fit.py refuses every bad input before measuring anything: exit code 2, one line on stderr that says
 what to give, no traceback, nothing on stdout (each case below: malformed JSON, --lora-r 0, --targets foo_proj,
---seq-len 0, --cards 2x0, --cards -1x24, and the bound on the card search).
+--seq-len 0, --cards 2x0, --cards -1x24, and the bound on the card search). Each case calls the script's main() in
+this process (a fresh interpreter costs seconds of imports); one case runs the script as a user does, from a shell.
 
     .venv/bin/python -m pytest -q -n 0 tests/test_will_it_fit_inputs.py
 """
+import importlib.util
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,9 +19,21 @@ BASE = ["--model", "llama-2-7b", "--cards", "2x24GiB"]
 
 
 def run_script(*args):
-    t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    return done, time.perf_counter() - t0
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def run_main(capsys, *args):
+    """The script's main(args) here: (exit code, stdout, stderr), as the shell would see them."""
+    spec = importlib.util.spec_from_file_location("will_it_fit_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    capsys.readouterr()
+    try:
+        code = script.main(list(args))
+    except SystemExit as exc:   # argparse's own refusals
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 CASES = {   # name: (arguments after --model and --cards, what the one line must say)
@@ -46,25 +59,31 @@ CASES = {   # name: (arguments after --model and --cards, what the one line must
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_a_bad_input_is_refused_in_one_line_before_any_measurement(name):
+def test_a_bad_input_is_refused_in_one_line_before_any_measurement(name, capsys):
     args, says = CASES[name]
-    done, seconds = run_script(*BASE, *args)
-    assert done.returncode == 2, (name, done.returncode, done.stdout, done.stderr)
-    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, (name, done.stderr)
-    assert done.stderr.startswith("will_it_fit: ") and says in done.stderr, (name, done.stderr)
-    assert done.stdout == "" and "measuring" not in done.stderr, (name, done.stdout)
+    code, out, err = run_main(capsys, *BASE, *args)
+    assert code == 2, (name, code, out, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, (name, err)
+    assert err.startswith("will_it_fit: ") and says in err, (name, err)
+    assert out == "" and "measuring" not in err, (name, out)
 
 
-def test_a_malformed_config_json_is_refused_in_one_line(tmp_path):
+def test_a_bad_input_from_the_shell_is_one_line_and_exit_code_2():
+    done = run_script(*BASE, "--seq-len", "abc")
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+    assert done.stderr.startswith("will_it_fit: argument --seq-len: invalid int value: 'abc'") and \
+        done.stderr.count("\n") == 1 and "--help" in done.stderr, done.stderr
+
+
+def test_a_malformed_config_json_is_refused_in_one_line(tmp_path, capsys):
     bad = tmp_path / "config.json"
     bad.write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,,}')
-    done, _ = run_script("--model", str(bad), "--cards", "2x24")
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    assert f"{bad}: not valid JSON (line 1, column " in done.stderr and "give a transformers config.json" in \
-        done.stderr, done.stderr
+    code, _, err = run_main(capsys, "--model", str(bad), "--cards", "2x24")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{bad}: not valid JSON (line 1, column " in err and "give a transformers config.json" in err, err
     (tmp_path / "list.json").write_text("[1, 2]")
-    done, _ = run_script("--model", str(tmp_path / "list.json"), "--cards", "2x24")
-    assert done.returncode == 2 and "a JSON list, not an object" in done.stderr, done.stderr
+    code, _, err = run_main(capsys, "--model", str(tmp_path / "list.json"), "--cards", "2x24")
+    assert code == 2 and "a JSON list, not an object" in err, err
 
 
 def test_the_library_checks_the_same_inputs_before_measuring():
