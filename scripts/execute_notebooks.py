@@ -103,6 +103,14 @@ def execute(path: Path) -> float:
 
 
 def main(argv):
+    if any(a.startswith("-") for a in argv):
+        print(__doc__.strip())
+        return 0 if set(argv) <= {"-h", "--help"} else 2
+    missing = [p for p in argv if not Path(p).is_file()]
+    if missing:
+        print(f"execute_notebooks: no such notebook: {missing[0]} (give paths such as notebooks/00_x.ipynb)",
+              file=sys.stderr)
+        return 2
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]  # the venv's kernel
     paths = [Path(p) for p in argv] or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     for path in paths:
@@ -110,4 +118,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
