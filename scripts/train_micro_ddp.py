@@ -137,7 +137,7 @@ def setup():
     torch._dynamo), those defaults hold the default group for good: destroy_process_group() cannot
     free it, and its gloo threads live on into interpreter shutdown, where one that drops a finished
     work needs the GIL and aborts the rank ("terminate called without an active exception",
-    SIGABRT after final_loss; about 1 run in 10-30 on 4 ranks). Imported first, the defaults are None.
+    SIGABRT after final_loss, now and then). Imported first, the defaults are None.
     """
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -392,7 +392,7 @@ AFTER_MAIN = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_capstone_script_frees_its_process_group_before_the_interpreter_ends(torchrun, tmp_path):
-    """The abort at exit ("terminate called without an active exception", 1 run in 10-30): gloo's threads
+    """The abort at exit ("terminate called without an active exception"): gloo's threads
     were still alive when the interpreter shut down, because torch.distributed.nn, imported after
     init_process_group by the first optimizer (through torch._dynamo), held the group in default arguments."""
     from conftest import finish, retry_on_port_clash

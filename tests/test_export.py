@@ -225,7 +225,7 @@ def exported_run(tmp_path_factory):
 
 
 def test_an_exported_ddp_cell_frees_its_group_before_the_interpreter_ends(exported_run):
-    """The abort at exit (2 runs in 15, "terminate called without an active exception"): the cells' global
+    """The abort at exit ("terminate called without an active exception"): the cells' global
     DDP model kept its Reducer and the gloo group alive into the interpreter's shutdown."""
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("reads /proc")

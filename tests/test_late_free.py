@@ -1,5 +1,5 @@
 """memory.least_peak: a storage freed late by another thread (gloo's worker) cannot move the measured peak, and
-lesson 14's sharded rows measure the same bytes every time (a CI run once printed 7.70 for 7.63).
+lesson 14's sharded rows measure the same bytes every time, as their stored outputs need.
 
     .venv/bin/python -m pytest -n 0 tests/test_late_free.py
 """

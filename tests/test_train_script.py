@@ -160,8 +160,8 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_the_script_ends_cleanly_with_no_gloo_thread_left(uninterrupted):
-    """final_loss printed, then every rank exits 0: no SIGABRT while tearing the group down. Fault 12's abort
-    came 1 run in 10-30 on a loaded machine, from gloo threads that outlived destroy_process_group into the
+    """final_loss printed, then every rank exits 0: no SIGABRT while tearing the group down. That abort
+    comes, now and then, from gloo threads that outlived destroy_process_group into the
     interpreter's shutdown (torch.distributed.nn imported after init_process_group held the group): every rank's
     gloo threads must be gone when the script has ended, which that fault breaks on every run and every rank,
     loaded or not (with the script's top-level `import torch.distributed.nn` removed: ['gloo_tcp_loop',
