@@ -11,6 +11,8 @@ The package by lesson (each module's docstring says "Introduced in NN_..."):
   specification is docs/engine.md, its modules are listed in ``engine/__init__.py``
 - ``checks`` (every lesson with an exercise): the self-checks and the course's solutions, one module per lesson or
   two, behind one verdict wrapper; ``checks/__init__.py`` lists them by lesson
+- ``describe`` (01, 03, 04, 07, 09, 13, 17): the sentences a lesson prints after "Measured here:", each chosen from
+  that run's numbers, one section per lesson
 - ``data``, ``models``, ``plots``, ``memory`` (01 onwards): generated data, the small models every lesson
   trains, the shared pictures, and memory measured from the tensors (peaks over a step, DDP's bucket)
 - ``allreduce`` (03): all-reduce by hand from send/recv, and the byte counter

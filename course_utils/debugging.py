@@ -783,49 +783,6 @@ def communication_share(events):
     return sum(b - a for a, b in _merge(spans)) / (s1 - s0) if s1 > s0 else 0.0
 
 
-def describe_communication_share(ddp_events, fsdp_events, close=0.05):
-    """The sentence after "Measured here:" for lesson 17's DDP and FSDP2 steps profiled side by side: the share of
-    each step during which a collective ran, and which is larger (within ``close``, neither), with the collectives'
-    summed run time to tell "more communication" from "communication that ran more at once"."""
-    ddp, fsdp = communication_share(ddp_events), communication_share(fsdp_events)
-
-    def summed_ms(events):
-        return sum(e["dur"] for e in events if e["name"].startswith(("gloo:", "nccl:"))) / 1e3
-
-    d_ms, f_ms = summed_ms(ddp_events), summed_ms(fsdp_events)
-    head = (f"a collective ran during {ddp:.0%} of DDP's step and {fsdp:.0%} of FSDP2's (their run times add up to "
-            f"{d_ms:.1f} and {f_ms:.1f} ms)")
-    if abs(fsdp - ddp) <= close:
-        return f"{head}: about the same share of the step here."
-    larger, smaller = ("FSDP2", "DDP") if fsdp > ddp else ("DDP", "FSDP2")
-    more_time = (f_ms > d_ms) == (fsdp > ddp)
-    why = ("its collectives also ran longer in all" if more_time else
-           f"although {smaller}'s collectives ran longer in all: more of them ran at once, on gloo's two threads")
-    return f"{head}: {larger}'s share is the larger here, {why}."
-
-
-def describe_detail_cost(plain, detail, collectives_per_step=2, noise=1.2):
-    """The sentence after "Measured here:" for what TORCH_DISTRIBUTED_DEBUG=DETAIL costs lesson 17's healthy job:
-    ``plain`` and ``detail`` are ``{rank: [seconds of each step]}`` (``Job.step_seconds``) of the same job without
-    and with DETAIL. Compares the medians over every rank's steps; a ratio under ``noise`` is called this machine's
-    noise, not a cost (two short jobs at once on a busy machine can swap places)."""
-    import statistics
-
-    p = statistics.median(s for steps in plain.values() for s in steps)
-    d = statistics.median(s for steps in detail.values() for s in steps)
-    head = (f"a healthy step ({collectives_per_step} all-reduces) took {1e3 * p:.1f} ms plain and {1e3 * d:.1f} ms "
-            "with DETAIL (medians over both ranks' steps)")
-    if d >= noise * p:
-        extra = 1e3 * (d - p) / collectives_per_step
-        return (f"{head}: DETAIL made it {d / p:.1f}x slower, about {extra:.1f} ms more per collective for the "
-                "checks it runs before each one.")
-    if p >= noise * d:
-        return (f"{head}: the plain steps were {p / d:.1f}x slower, so this machine's load, not DETAIL, set these "
-                "times (the two jobs ran at once; run it again, or alone, to see DETAIL's cost).")
-    return (f"{head}: within {noise}x of each other, so this run cannot tell DETAIL's checks from this machine's "
-            "noise (its per-collective cost is a few small messages on loopback; run it again, or alone).")
-
-
 LAUNCH_MARK = "hook: launch"
 
 
@@ -858,31 +815,6 @@ def hand_made_extra(events, launched, comm="gloo:all_reduce", marker=LAUNCH_MARK
     return {"waited": [r0 - a for (a, _), (r0, _) in zip(hand, runs)],
             "after": [b - r1 for (_, b), (_, r1) in zip(hand, runs)],
             "early": max(0.0, max(a - r0 for (a, _), (r0, _) in zip(hand, runs)))}
-
-
-def describe_hidden_fractions(hand, traced, extra, band=0.25):
-    """The sentence after "Measured here:" for lesson 17's two measures of overlap: ``hand[r]`` and ``traced[r]``
-    are rank r's hidden fractions over the profiled steps, from lesson 07's hand-made timeline (each all-reduce
-    from its launch in the comm hook to its callback) and from the trace (gloo's own run of each all-reduce);
-    ``extra[r]`` is rank r's ``hand_made_extra`` ``waited`` and ``after`` lists over the same steps, joined. Compares
-    the medians per rank against ``band``; where they differ by more, it gives the measured reason: how long the
-    hand-made intervals ran before gloo started each all-reduce (queued) and after it finished, the time the
-    trace does not count. The sentence carries the numbers it rests on."""
-    import statistics
-
-    parts, gaps = [], []
-    for r in range(len(hand)):
-        h, t = statistics.median(hand[r]), statistics.median(traced[r])
-        parts.append(f"rank {r} hid {t:.2f} of its communication behind backward by the trace, {h:.2f} by the "
-                     f"hand-made timeline")
-        if abs(h - t) <= band:
-            continue
-        waited, after = (1e3 * statistics.median(extra[r][k]) for k in ("waited", "after"))
-        gaps.append(f"rank {r}'s hand-made figure is {abs(h - t):.2f} {'lower' if h < t else 'higher'}: its "
-                    f"intervals began a median {waited:.1f} ms before gloo ran each all-reduce (queued behind "
-                    f"another bucket) and ended {after:.1f} ms after it, time the trace does not count")
-    verdict = f"the two agree within {band} on every rank" if not gaps else "; ".join(gaps)
-    return "; ".join(parts) + f". {verdict[0].upper()}{verdict[1:]}."
 
 
 COMPUTE_END_LABEL = "backward's last autograd node ends"

@@ -57,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["MicroFSDP", "FlatParam", "Checkpointed", "checkpoint_blocks", "original_name", "plot_fsdp_timeline",
-           "pad_and_shard", "race_fully_shard", "describe_prefetch"]
+           "pad_and_shard", "race_fully_shard"]
 
 
 def pad_and_shard(tensors, rank, world_size):
@@ -593,36 +593,6 @@ def race_fully_shard(n_layer=4, n_embd=128, micro_batch_size=8, steps=20):
         out[kind]["optimizer_tensors"] = sum(len(g["params"]) for g in runs[kind][1].param_groups)
     n_params = sum(p.numel() for p in make_gpt(tok.vocab_size, seed=0, n_layer=n_layer, n_embd=n_embd).parameters())
     return n_params, out, losses
-
-
-def describe_prefetch(no_prefetch, prefetch):
-    """What prefetch did to forward + backward in a ``race_fully_shard`` run, as a sentence chosen from its numbers.
-
-    Introduced in 13_fsdp_by_hand. ``no_prefetch``, ``prefetch``: the ``step_seconds`` of "MicroFSDP, no prefetch"
-    and "MicroFSDP" (step i of both ran in the same round, one after the other, so a busy moment slows both).
-    Prefetch is said to save (or cost) time only when it was faster (or slower) in every round, by 5 % or more of
-    forward + backward; otherwise the sentence gives the spread the difference is lost in."""
-    import statistics
-
-    def fb(s):
-        return 1e3 * (s["forward"] + s["backward"])
-
-    gains = [fb(a) - fb(b) for a, b in zip(no_prefetch, prefetch)]          # ms saved by prefetch, round by round
-    n, faster = len(gains), sum(g > 0 for g in gains)
-    gain = statistics.median(gains)
-    share = gain / statistics.median(fb(a) for a in no_prefetch)
-    spread = max(max(fb(s) for s in steps) - min(fb(s) for s in steps) for steps in (no_prefetch, prefetch))
-    why = ("on gloo a gather is a copy through memory that competes with the compute for the same cores, so "
-           "little of it can hide")
-    if faster == n and share >= 0.05:
-        return (f"prefetch saved {gain:.1f} ms of forward + backward ({share:.0%}, median), and was faster in each "
-                f"of the {n} rounds: gathers hidden behind compute.")
-    if faster == 0 and -share >= 0.05:
-        return (f"prefetch cost {-gain:.1f} ms of forward + backward ({-share:.0%}, median), and was slower in each "
-                f"of the {n} rounds: {why}, and starting it early only adds work beside the compute.")
-    return (f"prefetch was faster in {faster} of {n} rounds (median {-gain:+.1f} ms of forward + backward, "
-            f"{-share:+.0%}; the same configuration's steps varied by up to {spread:.1f} ms): no difference this run "
-            f"can tell from its noise. {why[0].upper() + why[1:]}.")
 
 
 # -- activation checkpointing ------------------------------------------------------------------------------

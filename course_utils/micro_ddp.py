@@ -683,28 +683,3 @@ def overlap_verdict(rebuilt, guess, n_backwards):
                    f"{100 * (rebuilt['wait_ms'] / guess['wait_ms'] - 1):.0f}% longer ({numbers}): on shared CPU "
                    "cores the early all-reduces competed with backward for the cores.")
     return plots[0].upper() + plots[1:], verdict
-
-
-# -- 09_compression's "Going further": torch's powerSGD_hook with several buckets on gloo ------------------------
-
-def describe_gloo_failure(error, rank_logs, deadline_s):
-    """What became of a run that can deadlock or mismatch its collectives, in one line for "Measured here:".
-
-    ``error``: what ``Cluster.run`` raised (None if the run finished); ``rank_logs``: each rank's stderr (what gloo
-    prints before it aborts a process) as text, by rank; ``deadline_s``: the run's timeout. Which failure happens
-    depends on how the ranks' threads were scheduled, so the sentence is chosen from the outcome.
-    Introduced in 09_compression."""
-    from course_utils.engine.reports import DistributedTimeout
-
-    if error is None:
-        return ("the run finished: this time the ranks' gloo threads happened to issue the collectives in the same "
-                "order (run it again).")
-    if isinstance(error, DistributedTimeout):
-        return (f"both ranks hung in `backward()`, each waiting in a collective the other never joined (a deadlock), "
-                f"until the run's {deadline_s:.0f} s deadline released them.")
-    mismatch = sorted(r for r, text in rank_logs.items() if "doesn't match expected size" in text)
-    if mismatch:
-        return (f"gloo aborted rank {mismatch[0]}: \"Received data size doesn't match expected size. Is there a "
-                "distributed collective mismatch in your code?\": the ranks' n-th collectives were different "
-                "all-reduces.")
-    return "a rank failed: " + str(error).splitlines()[0]

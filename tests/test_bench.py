@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT, register_by_value
 
 from course_utils import bench
+from course_utils.describe import describe_model_fit
 
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test file
 
@@ -201,24 +202,24 @@ def test_describe_model_fit_follows_the_numbers():
     """03's verdict on its two cost models, chosen from the counts of agreeing sizes and each algorithm's ratios,
     each algorithm judged against the model that ranked the run, at each size on its own."""
     sizes = ["16 KiB", "4 MiB"]
-    shared, far = bench.describe_model_fit({"dedicated": 1, "shared": 2}, 2,
-                                           _both({}, {"naive": [3.3, 4.0], "ring": [5.0, 12.0]}), cores=2, sizes=sizes)
+    shared, far = describe_model_fit({"dedicated": 1, "shared": 2}, 2,
+                                     _both({}, {"naive": [3.3, 4.0], "ring": [5.0, 12.0]}), cores=2, sizes=sizes)
     assert "as the shared-link model does" in shared and "measured / shared-link model" in far, far
     assert "naive above at 16 KiB (3.3x) and 4 MiB (4.0x); ring above" in far and "2 core(s)" in far, far
     assert "below" not in far and "within at" not in far, far
-    both = bench.describe_model_fit({"dedicated": 2, "shared": 2}, 2,
-                                    _both({"naive": [0.9, 1.2], "chunked": [1.4, 1.45]}), cores=8, sizes=sizes)
+    both = describe_model_fit({"dedicated": 2, "shared": 2}, 2,
+                              _both({"naive": [0.9, 1.2], "chunked": [1.4, 1.45]}), cores=8, sizes=sizes)
     assert "both models" in both[0] and len(both) == 2, both     # both ranked the run: held against both
     assert both[1].count("naive within at 16 KiB (0.9x) and 4 MiB (1.2x); chunked within") == 2, both
     assert "shared-link model (" in both[1] and "dedicated-links model (" in both[1], both
     assert "above:" not in both[1] and "below:" not in both[1], both
     # a spread that straddles the band is judged size by size
-    wide = bench.describe_model_fit({"dedicated": 0, "shared": 2}, 2,
-                                    _both({}, {"naive": [0.4, 0.5], "ring": [0.9, 1.2], "chunked": [2.0, 6.2]}),
-                                    cores=2, sizes=sizes)[1]
+    wide = describe_model_fit({"dedicated": 0, "shared": 2}, 2,
+                              _both({}, {"naive": [0.4, 0.5], "ring": [0.9, 1.2], "chunked": [2.0, 6.2]}),
+                              cores=2, sizes=sizes)[1]
     assert "naive below at 16 KiB (0.4x) and 4 MiB (0.5x)" in wide and "ring within at" in wide, wide
     assert "chunked above at 16 KiB (2.0x) and 4 MiB (6.2x)" in wide and "below:" in wide and "above:" in wide, wide
-    straddle = bench.describe_model_fit({"dedicated": 0, "shared": 1}, 2, _both({"ring": [0.5, 3.0]}), cores=8)
+    straddle = describe_model_fit({"dedicated": 0, "shared": 1}, 2, _both({"ring": [0.5, 3.0]}), cores=8)
     assert "neither model" in straddle[0] and len(straddle) == 2, straddle
     assert straddle[1].count("ring below at size 1 (0.5x), above at size 2 (3.0x)") == 2, straddle
     assert straddle[1].index("measured / shared-link model") < straddle[1].index("measured / dedicated-links model")
@@ -230,8 +231,8 @@ def test_describe_model_fit_never_calls_a_measurement_on_the_model_below_it():
     Now: below at one size, within at the other."""
     ratios = {"shared": {"naive": [0.4, 2.3], "ring": [0.4, 2.6], "chunked": [0.5, 1.0]},
               "dedicated": {"naive": [0.4, 2.3], "ring": [1.5, 10.4], "chunked": [2.0, 3.8]}}
-    text = " ".join(bench.describe_model_fit({"dedicated": 0, "shared": 1}, 2, ratios, cores=2,
-                                             sizes=["16 KiB", "4 MiB"]))
+    text = " ".join(describe_model_fit({"dedicated": 0, "shared": 1}, 2, ratios, cores=2,
+                                       sizes=["16 KiB", "4 MiB"]))
     assert "chunked below at 16 KiB (0.5x), within at 4 MiB (1.0x)" in text, text
     assert "0.5x to 1.0x" not in text and "below the model" not in text, text
     assert len(text.split()) < 200, f"the verdict should read in a minute: {len(text.split())} words"
@@ -258,14 +259,14 @@ def test_describe_model_fit_with_the_stored_run_that_fooled_it():
     ratios = {links: {name: [t / model(name, s, links) for t, s in zip(ts, sizes)] for name, ts in times.items()}
               for links in ("dedicated", "shared")}
     assert 1.25 < min(ratios["shared"]["ring"]) and max(ratios["shared"]["chunked"]) < 1.2, ratios["shared"]
-    sentences = bench.describe_model_fit({"dedicated": 0, "shared": 2}, 2, ratios, cores=2)
+    sentences = describe_model_fit({"dedicated": 0, "shared": 2}, 2, ratios, cores=2)
     assert len(sentences) == 2 and "measured / shared-link model" in sentences[1], sentences
     assert "naive within at size 1 (1.0x) and size 2 (1.4x); ring within" in sentences[1], sentences[1]
     text = " ".join(sentences)
     assert "above" not in text and "dedicated-links model (" not in text, text
     assert "saw neither" not in text and "pays Python's own cost" not in text, text
     # judged against the dedicated-links model (if it had ranked the run), the reason no longer blames Python
-    other = bench.describe_model_fit({"dedicated": 2, "shared": 0}, 2, ratios, cores=2)[1]
+    other = describe_model_fit({"dedicated": 2, "shared": 0}, 2, ratios, cores=2)[1]
     assert "ring above at size 1 (5.2x) and size 2 (5.6x); chunked above" in other, other
     assert "Python" not in other and "queued" in other, other
 

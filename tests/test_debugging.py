@@ -38,8 +38,9 @@ import torch
 from conftest import in_ci
 from course_utils import debugging
 from course_utils.checks.debugging import _cases
-from course_utils.debugging import (COMPUTE_END_LABEL, Job, analyze, clean, describe_detail_cost,
-                                    describe_hidden_fractions, fix_gloo_dumps, gloo_error, run_job, step_intervals)
+from course_utils.debugging import (COMPUTE_END_LABEL, Job, analyze, clean, fix_gloo_dumps, gloo_error, run_job,
+                                    step_intervals)
+from course_utils.describe import describe_communication_share, describe_detail_cost, describe_hidden_fractions
 from course_utils.planted_bugs import fr_buffer_size
 
 
@@ -457,15 +458,15 @@ def test_fsdp2s_collectives_are_counted_by_thread_and_their_share_of_the_step_is
     assert debugging.collectives_by_thread(on_main)["gloo:broadcast"] == (1, 0)
     assert debugging.communication_share(fsdp) == pytest.approx((15 + 10 + 5) / 100)
     ddp = [_ev("step", 1, 0, 100), _ev("forward", 1, 0, 40), _ev("gloo:all_reduce", 7, 50, 60)]
-    said = debugging.describe_communication_share(ddp, fsdp)
+    said = describe_communication_share(ddp, fsdp)
     assert said.startswith("a collective ran during 10% of DDP's step and 30% of FSDP2's")
     assert "FSDP2's share is the larger here, its collectives also ran longer in all" in said, said
     # a larger share with less summed time: the other one's collectives overlapped each other
     crowded = [_ev("step", 1, 0, 100), _ev("forward", 1, 0, 40)] + [_ev("gloo:all_gather", 7 + i, 0, 20)
                                                                     for i in range(4)]
     ddp_long = [_ev("step", 1, 0, 100), _ev("forward", 1, 0, 40), _ev("gloo:all_reduce", 7, 50, 80)]
-    said = debugging.describe_communication_share(ddp_long, crowded)
+    said = describe_communication_share(ddp_long, crowded)
     assert "DDP's share is the larger here, although FSDP2's collectives ran longer in all" in said, said
-    assert "about the same share" in debugging.describe_communication_share(ddp, ddp)
+    assert "about the same share" in describe_communication_share(ddp, ddp)
     with pytest.raises(ValueError, match="label the step"):
         debugging.collectives_by_thread([_ev("gloo:all_reduce", 7, 0, 1)])

@@ -16,6 +16,7 @@ from conftest import NOTEBOOKS, register_by_value
 from course_utils import DistributedError, bench
 from course_utils.checks import grad_avg
 from course_utils.checks import check_adam_hides_the_bug, check_busbw, check_grad_averaging
+from course_utils.describe import describe_bucketing, describe_busbw_spread, describe_race, describe_throughput
 from exercise_helpers import notebook_cell, solution_off
 
 register_by_value(sys.modules[__name__])  # the ranks cannot import this test module
@@ -261,13 +262,13 @@ def _rows(times, turns=None, sizes=None):
 
 def test_describe_race_follows_the_numbers():
     lib = _rows([1e-3, 1e-3, 2e-3, 8e-3])
-    assert bench.describe_race(lib, _rows([2e-3, 2e-3, 4e-3, 16e-3]))[0].startswith("at the smallest sizes (4 KiB, "
-                                                                                     "16 KiB) the library is faster")
-    hand_small = bench.describe_race(lib, _rows([0.5e-3, 0.5e-3, 2e-3, 8e-3]))
+    assert describe_race(lib, _rows([2e-3, 2e-3, 4e-3, 16e-3]))[0].startswith("at the smallest sizes (4 KiB, "
+                                                                               "16 KiB) the library is faster")
+    hand_small = describe_race(lib, _rows([0.5e-3, 0.5e-3, 2e-3, 8e-3]))
     assert "the hand ring is faster" in hand_small[0] and "not the algorithm" in hand_small[0], hand_small
     assert "neither ring is faster by a 1.1x margin (no spread measured)" in hand_small[1], hand_small
     with pytest.raises(ValueError):
-        bench.describe_race(lib, _rows([1e-3, 1e-3]))
+        describe_race(lib, _rows([1e-3, 1e-3]))
 
 
 # lesson 04's stored sweep, which fixed prose would contradict: at 16 and 64 MiB the hand ring is 1.32x-1.92x faster
@@ -277,12 +278,12 @@ STORED_RING = [4205.4e-6, 6603.8e-6, 6348.7e-6, 7273.7e-6, 8225.7e-6, 10846.4e-6
 
 
 def test_describe_race_gives_a_reason_for_either_outcome_at_the_largest_sizes():
-    hand = bench.describe_race(_rows(STORED_LIB, sizes=STORED_SIZES), _rows(STORED_RING, sizes=STORED_SIZES),
-                               cores=2)[1]
+    hand = describe_race(_rows(STORED_LIB, sizes=STORED_SIZES), _rows(STORED_RING, sizes=STORED_SIZES),
+                         cores=2)[1]
     assert hand.startswith("at the largest sizes (16 MiB, 64 MiB) the hand ring is faster (1.32x to 1.92x"), hand
     assert "96 messages where the hand ring sends 6 of 16 MiB" in hand and "2 shared core(s)" in hand, hand
     assert "wins" not in hand and "the library is faster" not in hand, hand
-    swapped = bench.describe_race(_rows(STORED_RING, sizes=STORED_SIZES), _rows(STORED_LIB, sizes=STORED_SIZES))[1]
+    swapped = describe_race(_rows(STORED_RING, sizes=STORED_SIZES), _rows(STORED_LIB, sizes=STORED_SIZES))[1]
     assert "the library is faster (1.32x to 1.92x" in swapped and "overlaps sending one segment" in swapped, swapped
 
 
@@ -292,11 +293,11 @@ def test_describe_race_weighs_the_difference_against_the_turns():
     lib_turns = [[5.0e-3, 5.3e-3, 6.0e-3], [6.5e-3, 7.0e-3, 7.6e-3]] + [[t] * 3 for t in STORED_LIB[2:]]
     ring_turns = [[4.0e-3, 4.2e-3, 5.5e-3], [6.0e-3, 6.6e-3, 7.0e-3]] + [[t] * 3 for t in STORED_RING[2:]]
     lib = _rows(STORED_LIB, lib_turns, STORED_SIZES)
-    small = bench.describe_race(lib, _rows(STORED_RING, ring_turns, STORED_SIZES))[0]
+    small = describe_race(lib, _rows(STORED_RING, ring_turns, STORED_SIZES))[0]
     assert "neither ring is faster beyond the measured spread at either size" in small, small
     assert "the turns overlap at both" in small, small
     apart = [[4.0e-3, 4.2e-3, 4.4e-3], [6.0e-3, 6.1e-3, 6.2e-3]] + ring_turns[2:]
-    small = bench.describe_race(lib, _rows(STORED_RING, apart, STORED_SIZES))[0]
+    small = describe_race(lib, _rows(STORED_RING, apart, STORED_SIZES))[0]
     assert "the hand ring is faster (1.06x to 1.27x, beyond the spread of 3 turns)" in small, small
 
 
@@ -315,7 +316,7 @@ FOOLED_RING_TURNS = ([[16.9e-3, 17.1212e-3, 17.5e-3], [17.5e-3, 17.8696e-3, 18.5
 def test_describe_race_names_the_winner_per_size_with_the_numbers_that_once_fooled_it():
     lib = _rows(FOOLED_LIB, FOOLED_LIB_TURNS, STORED_SIZES)
     ring = _rows(FOOLED_RING, FOOLED_RING_TURNS, STORED_SIZES)
-    small, large = bench.describe_race(lib, ring, cores=2)
+    small, large = describe_race(lib, ring, cores=2)
     for sentence in (small, large):
         assert "at both sizes" not in sentence and "at either size" not in sentence, sentence
     assert "at 4 KiB the library is faster (2.35x, beyond the spread of 3 turns): the hand ring's every step is a " \
@@ -325,7 +326,7 @@ def test_describe_race_names_the_winner_per_size_with_the_numbers_that_once_fool
     assert "at 16 MiB the library is faster (1.18x, beyond the spread of 3 turns): the bytes dominate" in large, large
     assert "24 messages of 1 MiB per rank at 16 MiB" in large and "at 64 MiB neither ring is faster" in large, large
     # the winner follows the numbers: swap the two sweeps and the hand ring wins where the library did
-    swapped = bench.describe_race(ring, lib, cores=2)[0]
+    swapped = describe_race(ring, lib, cores=2)[0]
     assert "at 4 KiB the hand ring is faster (2.35x" in swapped and "not the algorithm" in swapped, swapped
 
 
@@ -335,30 +336,30 @@ def test_describe_bucketing_with_the_stored_run():
     time (exercise 2's answer)."""
     alpha, beta = 6.05e-3, 1 / 0.380e9
     stored = {"one_by_one": [0.4626, 0.47, 0.45, 0.46, 0.48], "bucketed": [4.2e-3, 4.0e-3, 5.0e-3, 4.4e-3, 6.0e-3]}
-    first, second = bench.describe_bucketing(stored, alpha, beta)
+    first, second = describe_bucketing(stored, alpha, beta)
     assert first.startswith("bucketing was 105.1x faster (medians of 5 turns; in every turn"), first
     assert "predicts bucketing 44.3x faster, measured 105.1x" in second and "below alpha itself" in second, second
     model_first = alpha + beta * 2**20
     assert f"{model_first * 1e3:.1f}" not in second and "ms" not in second, second
-    close = bench.describe_bucketing({"one_by_one": [4e-3, 6e-3, 9e-3], "bucketed": [5e-3, 8e-3, 7e-3]}, alpha, beta)
+    close = describe_bucketing({"one_by_one": [4e-3, 6e-3, 9e-3], "bucketed": [5e-3, 8e-3, 7e-3]}, alpha, beta)
     assert "within the measured spread" in close[0] and "faster (" not in close[0], close
-    slower = bench.describe_bucketing({"one_by_one": [4e-3, 4e-3, 4e-3], "bucketed": [5e-3, 6e-3, 7e-3]}, 1e-5, beta)
+    slower = describe_bucketing({"one_by_one": [4e-3, 4e-3, 4e-3], "bucketed": [5e-3, 6e-3, 7e-3]}, 1e-5, beta)
     assert slower[0].startswith("bucketing was slower") and "below alpha" not in slower[1], slower
 
 
 def test_describe_busbw_spread():
     rows = {"all_reduce": {"time_s": 1.0, "busbw_Bps": 3.0}, "reduce_scatter": {"time_s": 1.0, "busbw_Bps": 1.5},
             "broadcast": {"time_s": 0.5, "busbw_Bps": 6.0}}
-    lines = bench.describe_busbw_spread(rows)
+    lines = describe_busbw_spread(rows)
     assert lines[0] == "busbw spans 4.0x, from reduce_scatter (lowest) to broadcast (highest)", lines
     assert "1.00x the time of all_reduce" in lines[1] and "about as long" in lines[1], lines
     assert "0.50x all_reduce's, near the 0.5" in lines[2], lines
     rows["reduce_scatter"].update(time_s=1.44, busbw_Bps=3.0 * 0.35)   # the stored run the review quoted
-    lines = bench.describe_busbw_spread(rows)
+    lines = describe_busbw_spread(rows)
     assert "longer than the all-reduce itself" in lines[1] and "below the 0.5" in lines[2], lines
     assert "about as long" not in " ".join(lines), lines
     rows["reduce_scatter"].update(time_s=0.5, busbw_Bps=3.0)          # an optimal reduce-scatter (NCCL's)
-    lines = bench.describe_busbw_spread(rows)
+    lines = describe_busbw_spread(rows)
     assert "about half or less" in lines[1] and "near the 1 of a bandwidth-optimal" in lines[2], lines
 
 
@@ -373,43 +374,43 @@ def test_describe_busbw_spread_weighs_the_copies_and_the_turns():
         return r if turns is None else {**r, "turns": len(turns), "turn_times_s": turns}
 
     stored = {"all_reduce": row("all_reduce", 14.7e-3), "reduce_scatter": row("reduce_scatter", 21.0e-3)}
-    lines = bench.describe_busbw_spread(stored, memcpy_Bps=8.44e9)
+    lines = describe_busbw_spread(stored, memcpy_Bps=8.44e9)
     assert "0.62 ms" in lines[3] and "6.3 ms" in lines[3] and "10x what the copies cost" in lines[3], lines
     assert "not known" in lines[3] and "can land below" not in " ".join(lines), lines
     noisy = {"all_reduce": row("all_reduce", 14.7e-3, [12e-3, 14.7e-3, 22e-3]),
              "reduce_scatter": row("reduce_scatter", 21.0e-3, [16e-3, 21e-3, 25e-3])}
-    lines = bench.describe_busbw_spread(noisy, memcpy_Bps=8.44e9)
+    lines = describe_busbw_spread(noisy, memcpy_Bps=8.44e9)
     assert "within the measured spread" in lines[1] and "includes 0.5" in lines[2], lines
     assert "costs even more" not in lines[2] and "within the measured spread of it" in lines[2], lines
     assert "cannot tell the copies from noise" in lines[3], lines
     copies = {"all_reduce": row("all_reduce", 14.7e-3, [14.5e-3, 14.7e-3, 14.9e-3]),
               "reduce_scatter": row("reduce_scatter", 15.5e-3, [15.3e-3, 15.5e-3, 15.7e-3])}
-    lines = bench.describe_busbw_spread(copies, memcpy_Bps=8.44e9)
+    lines = describe_busbw_spread(copies, memcpy_Bps=8.44e9)
     assert "beyond the spread of 3 turns" in lines[1] and "is about what the copies cost" in lines[3], lines
 
 
 def test_describe_throughput_blames_what_grew():
     sizes, samples = [1, 2, 4], [512, 1024, 2048]
-    shared = bench.describe_throughput(sizes, samples, [1.0, 1.5, 2.2], [0.0, 0.3, 0.5], cores=2)
+    shared = describe_throughput(sizes, samples, [1.0, 1.5, 2.2], [0.0, 0.3, 0.5], cores=2)
     assert "grew x2.2" in shared[0] and "held back by the shared CPU cores" in shared[1], shared
-    flat = bench.describe_throughput(sizes, samples, [1.0, 1.0, 1.1], [0.0, 0.3, 0.7], cores=8)
+    flat = describe_throughput(sizes, samples, [1.0, 1.0, 1.1], [0.0, 0.3, 0.7], cores=8)
     assert "stayed flat" in flat[0] and "held back by the all-reduce more than by compute" in flat[1], flat
     assert "(compute stayed flat)" in flat[1], flat
-    ideal = bench.describe_throughput(sizes, samples, [1.0, 1.0, 1.0], [0.0, 0.05, 0.1], cores=8)
+    ideal = describe_throughput(sizes, samples, [1.0, 1.0, 1.0], [0.0, 0.05, 0.1], cores=8)
     assert "close to the ideal x4" in ideal[1], ideal
-    both = bench.describe_throughput(sizes, samples, [1.0, 2.0, 3.0], [0.0, 1.5, 2.5], cores=1)
+    both = describe_throughput(sizes, samples, [1.0, 2.0, 3.0], [0.0, 1.5, 2.5], cores=1)
     assert "both by the shared CPU cores" in both[1], both
-    partly = bench.describe_throughput(sizes, samples, [1.0, 1.2, 1.4], [0.0, 0.1, 0.2], cores=2)
+    partly = describe_throughput(sizes, samples, [1.0, 1.2, 1.4], [0.0, 0.1, 0.2], cores=2)
     assert "grew a little" in partly[0] and "shared CPU cores" in partly[1], partly
-    noisy = bench.describe_throughput(sizes, samples, [1.0, 0.7, 0.5], [0.0, 0.1, 0.1], cores=8)
+    noisy = describe_throughput(sizes, samples, [1.0, 0.7, 0.5], [0.0, 0.1, 0.1], cores=8)
     assert "disturbed" in noisy[0], noisy
     # the review's run: compute grew (+6.0 ms) but the all-reduce and step added more (+7.5 ms): not the cores
-    review = bench.describe_throughput(sizes, samples, [0.0075, 0.0105, 0.0135], [0.0004, 0.0040, 0.0079], cores=2)
+    review = describe_throughput(sizes, samples, [0.0075, 0.0105, 0.0135], [0.0004, 0.0040, 0.0079], cores=2)
     assert "grew x1.8" in review[0], review
     assert "held back both" in review[1] and "compute added 6.0 ms" in review[1] and "7.5 ms" in review[1], review
     assert "more than by the all-reduce" not in review[1], review
-    comm_bound = bench.describe_throughput(sizes, samples, [0.0075, 0.0090, 0.0105], [0.0004, 0.0060, 0.0120],
-                                           cores=2)
+    comm_bound = describe_throughput(sizes, samples, [0.0075, 0.0090, 0.0105], [0.0004, 0.0060, 0.0120],
+                                     cores=2)
     assert "grew a little" in comm_bound[0] and "held back by the all-reduce more than by compute" in comm_bound[1]
 
 

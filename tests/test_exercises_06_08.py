@@ -203,7 +203,7 @@ def _rounds(typical_s, n=16, jitter=0.0005):
 def test_describe_cap_sweep_follows_the_numbers():
     """07's verdict on its bucket_cap_mb sweep, timed in turns: the fastest cap, and whether overlap measurably paid
     against one bucket (won or lost 3 rounds in 4); speed as time saved per step, in ms and as a share."""
-    from course_utils.ddp_probes import describe_cap_sweep
+    from course_utils.describe import describe_cap_sweep
 
     caps, buckets = (0.25, 2, 4, 25), (7, 4, 2, 1)
     # the review's stored run (medians 29.0, 25.9, 26.2, 24.4 ms): one bucket fastest, every round
@@ -255,7 +255,7 @@ def test_describe_overlap_reads_the_reason_from_parts_that_add_up():
     competed with backward for the same cores' while compute read 32.6 against 31.6 ms (+3%) and the columns were
     medians that did not add up (57.1 != 32.6 + 12.2). Read from the parts of the typical steps, the reason is the
     part that grew: here the exposed communication, not the compute."""
-    from course_utils.ddp_probes import describe_overlap
+    from course_utils.describe import describe_overlap
 
     one = _steps(0.0316, 0.0122, 0.0106)          # 54.4 ms
     many = _steps(0.0326, 0.0200, 0.0045)         # 57.1 ms: compute +1.0, exposed +7.8, rest -6.1
@@ -282,7 +282,8 @@ def test_describe_overlap_reads_the_reason_from_parts_that_add_up():
 def test_describe_agreement_says_when_two_cells_contradict():
     """The review's 07: the sweep said 7 buckets were 63% faster than one bucket ('overlapping paid'), the timelines,
     the same layouts timed in turns, 5% longer. The two cells' sentences must say they disagree."""
-    from course_utils.ddp_probes import compare_in_turns, describe_agreement
+    from course_utils.ddp_probes import compare_in_turns
+    from course_utils.describe import describe_agreement
 
     one = _rounds(0.060)
     sweep = compare_in_turns(one, [t * 0.37 for t in one])             # 63% less
@@ -299,7 +300,7 @@ def test_describe_compute_growth_follows_the_numbers():
     """The review's 07: 'x1.32 on the simulated link, x1.03 on the real gloo run: the simulated link's compute grew
     about as much'. Ten times more is not about as much: the simulated link's grew more, and gloo's transfers are not
     shown to cost backward anything."""
-    from course_utils.ddp_probes import describe_compute_growth
+    from course_utils.describe import describe_compute_growth
 
     review = describe_compute_growth(1.32, 1.03)
     assert "x1.32 on the simulated link" in review and "x1.03 on the real gloo run" in review, review

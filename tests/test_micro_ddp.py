@@ -627,7 +627,7 @@ def test_the_gloo_failure_is_described_from_the_outcome():
     """Lesson 09 runs torch's powerSGD_hook with 3 buckets on gloo: a deadlock or a collective mismatch, chosen by
     thread timing. The sentence follows what happened."""
     from course_utils import DistributedError, DistributedTimeout
-    from course_utils.micro_ddp import describe_gloo_failure
+    from course_utils.describe import describe_gloo_failure
 
     hung = describe_gloo_failure(DistributedTimeout("ranks 0, 1 did not finish within 5 s"), {0: "", 1: ""}, 5.0)
     assert "deadlock" in hung and "5 s deadline" in hung and "abort" not in hung, hung

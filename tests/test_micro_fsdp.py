@@ -269,7 +269,7 @@ def _rounds(*fb_ms):
      ["faster in 4 of 4", "tell from its noise"], ["saved", "cost"]),
 ], ids=["always-slower", "always-faster", "mixed", "always-faster-by-little"])
 def test_the_prefetch_sentence_follows_the_rounds(no_prefetch, prefetch, words, not_words):
-    from course_utils.fsdp import describe_prefetch
+    from course_utils.describe import describe_prefetch
 
     got = describe_prefetch(no_prefetch, prefetch)
     for w in words:
