@@ -375,6 +375,19 @@ def kill_process_group(proc, grace=5.0):
         pass
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that leaves a default process group in the pytest process fails here, by name: every later test that
+    measures true sizes in a fake world of its own (course_utils.true_size) would fail instead."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a default process group in the pytest process: destroy_process_group() it "
+                    "in a finally block")
+
+
 # ---- torchrun ---------------------------------------------------------------------------------
 
 _TMP_FACTORY = []  # pytest's tmp_path_factory of this run (the fixture below), for torchrun_env's TMPDIR

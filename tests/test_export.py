@@ -119,8 +119,14 @@ def test_an_exported_script_reads_srun_s_layout_like_the_training_script(tmp_pat
     them it stops with one line that names the variables. Run as an import: the group never starts."""
     import runpy
 
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
     from test_train_script import SRUN_2x2, _script
 
+    for module in (dist, distributed_c10d):   # the preamble swaps both for its own: put torch's back afterwards
+        for name in ("init_process_group", "destroy_process_group"):
+            monkeypatch.setattr(module, name, getattr(module, name))
     path = write_script(tmp_path / "srun.py", [("cell", "-n 2", "a = 1")], world_size=4, backend="gloo")
     env = {k: v for k, v in SRUN_2x2.items() if k != drop}
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", *SRUN_2x2):

@@ -199,7 +199,7 @@ PRINTED = ("torchrun --standalone --nproc-per-node=4 scripts/finetune.py --model
 
 @pytest.mark.parametrize("method, strategy", [("full", "ddp"), ("full", "zero2"), ("full", "fsdp"), ("lora", "ddp"),
                                               ("lora", "fsdp"), ("qlora", "ddp")])
-def test_check_runs_each_printed_command_at_tiny_scale(method, strategy):
+def test_check_runs_each_printed_command_at_tiny_scale(method, strategy, tmp_path, monkeypatch):
     """--check's run of the printed command: the tiny Llama on 2 CPU ranks, 32 tokens, 2 steps, at most 2
     micro-batches; the plan's method, strategy, precision, LoRA settings, micro-batch and checkpointing kept.
     tests/test_finetune_script.py runs each of these methods and strategies; lesson 16's plan (LoRA, FSDP2,
@@ -219,6 +219,7 @@ def test_check_runs_each_printed_command_at_tiny_scale(method, strategy):
     with pytest.raises(ValueError, match="not a scripts/finetune.py command"):
         tiny_command("accelerate launch train_text_to_image.py")
     if (method, strategy) == ("lora", "fsdp"):
+        monkeypatch.setenv("TMPDIR", str(tmp_path))   # torchrun's torchelastic_* folder goes there
         rc, out = run_tiny(printed)
         assert rc == 0 and re.search(r"final_loss=[0-9.]+", out) and out.count("2 ranks on cpu") == 2, out[-3000:]
 
