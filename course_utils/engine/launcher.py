@@ -30,7 +30,7 @@ from course_utils.engine.reports import (  # noqa: F401  (CellSyntaxError, Distr
     interrupt_error, plural, timeout_error, undecodable_info)
 
 RELEASE_S = 5.0        # how long releasing the ranks may take before they are replaced
-SETTLE_S = 1.0         # after a failure, how long the other ranks get to return on their own before the stop
+SETTLE_S = 0.3         # after a failure, how long the other ranks get to return on their own before the stop
 STACKS_S = 2.0         # how long the ranks' control threads get to say where each rank is
 FAILED_END_S = 0.3     # how long the ranks of a failed call get to end as a script does before they are killed
 EXIT_CODE_S = 0.5      # how long a dead rank's exit code may take to arrive (its pipe closed as it exited)
