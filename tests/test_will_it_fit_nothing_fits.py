@@ -5,6 +5,8 @@ it. Cards are sized from the rows measured here, so each case sits between the r
 
     .venv/bin/python -m pytest -q -n 0 tests/test_will_it_fit_nothing_fits.py
 """
+import pytest
+
 from course_utils.true_size import GiB, LlamaShape
 from course_utils.will_it_fit import USABLE, will_it_fit
 
@@ -14,16 +16,23 @@ QUIET = lambda *a: None  # noqa: E731
 KW = dict(seq_len=16, lora_r=4, workers=1, say=QUIET, max_cards=8)
 
 
+@pytest.fixture(scope="module")
+def kw(tmp_path_factory):
+    """KW with one measurement cache for the module: a plan on other cards re-reads the steps another plan measured
+    (the cache's keys and reads: tests/test_will_it_fit_cache.py)."""
+    return dict(KW, cache=str(tmp_path_factory.mktemp("will_it_fit_cache")))
+
+
 def lowest(plan, method, same=True):
     return min(r.peak for r in plan.rows if r.method == method and (r.same_training or not same))
 
 
-def test_full_fine_tuning_that_does_not_fit_says_lora_does():
-    full = will_it_fit(WIDE, (1, 1024), method="full", **KW)
-    lora = will_it_fit(WIDE, (1, 1024), method="lora", **KW)
+def test_full_fine_tuning_that_does_not_fit_says_lora_does(kw):
+    full = will_it_fit(WIDE, (1, 1024), method="full", **kw)
+    lora = will_it_fit(WIDE, (1, 1024), method="lora", **kw)
     card = lowest(lora, "lora") / USABLE / GiB * 1.001                  # LoRA's cheapest row just fits
     assert min(r.peak for r in full.rows) > USABLE * card * GiB, "full fine-tuning must not fit this card"
-    plan = will_it_fit(WIDE, (1, card), method="full", **KW)
+    plan = will_it_fit(WIDE, (1, card), method="full", **kw)
     assert plan.chosen is None and plan.cheaper is not None and plan.cheaper[1].method == "lora", plan.cheaper
     report = plan.report()
     assert (f"Full fine-tuning does not fit 1 x {card:g} GiB with the 85% margin, with any strategy above; "
@@ -31,12 +40,12 @@ def test_full_fine_tuning_that_does_not_fit_says_lora_does():
     assert "scripts/finetune.py" in report and "--method lora" in report and "--nproc-per-node=1" in report, report
 
 
-def test_lora_that_does_not_fit_says_qlora_does():
-    lora = will_it_fit(WIDE, (2, 1024), method="qlora", **KW)
+def test_lora_that_does_not_fit_says_qlora_does(kw):
+    lora = will_it_fit(WIDE, (2, 1024), method="qlora", **kw)
     q = lowest(lora, "qlora")
     card = q / USABLE / GiB * 1.001                                     # QLoRA just fits
     assert lowest(lora, "lora") > USABLE * card * GiB, "LoRA over a bf16 base must not fit this card"
-    plan = will_it_fit(WIDE, (2, card), method="lora", **KW)
+    plan = will_it_fit(WIDE, (2, card), method="lora", **kw)
     assert plan.chosen is None and plan.cheaper[1].method == "qlora", plan.cheaper
     assert plan.cheaper[1].peak == q
     report = plan.report()
@@ -44,8 +53,8 @@ def test_lora_that_does_not_fit_says_qlora_does():
             "QLoRA (a 4-bit base) does, on the same cards: 4-bit base DDP") in report, report
 
 
-def test_a_large_micro_batch_that_does_not_fit_says_micro_batch_1_with_accumulation_does():
-    kw = dict(KW, seq_len=64)
+def test_a_large_micro_batch_that_does_not_fit_says_micro_batch_1_with_accumulation_does(kw):
+    kw = dict(kw, seq_len=64)
     one = will_it_fit(WIDE, (1, 1024), method="lora", micro_batch=1, **kw)
     four = will_it_fit(WIDE, (1, 1024), method="lora", micro_batch=4, **kw)
     card = lowest(one, "lora") / USABLE / GiB * 1.001
@@ -72,7 +81,7 @@ def test_the_reader_s_question_llama_3_8b_lora_on_2_rtx_3060():
     assert "No card count up to 2 fits (--max-cards)" in report, report
 
 
-def test_check_runs_the_cheaper_change_whose_command_was_printed(tmp_path, capsys):
+def test_check_runs_the_cheaper_change_whose_command_was_printed(kw, tmp_path, capsys, monkeypatch):
     """scripts/will_it_fit.py --check trains the plan whose command it printed: here LoRA, not the full fine-tuning
     on more cards that the search also found."""
     import importlib.util
@@ -84,11 +93,12 @@ def test_check_runs_the_cheaper_change_whose_command_was_printed(tmp_path, capsy
               "num_attention_heads": WIDE.n_head, "num_key_value_heads": WIDE.n_kv_head,
               "num_hidden_layers": WIDE.n_layer, "vocab_size": WIDE.vocab_size, "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    lora = will_it_fit(WIDE, (1, 1024), method="lora", **KW)
+    lora = will_it_fit(WIDE, (1, 1024), method="lora", **kw)
     card = round(lowest(lora, "lora") / USABLE / GiB * 1.01, 6)
     spec = importlib.util.spec_from_file_location("will_it_fit_script", ROOT / "scripts" / "will_it_fit.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))   # the torchelastic_* folder of --check's torchrun
     rc = script.main(["--model", str(tmp_path), "--cards", f"1x{card}", "--method", "full", "--seq-len", "16",
                       "--lora-r", "4", "--workers", "1", "--max-cards", "8", "--check"])
     out = capsys.readouterr().out
@@ -96,3 +106,4 @@ def test_check_runs_the_cheaper_change_whose_command_was_printed(tmp_path, capsy
     assert "; LoRA (r = 4 on q_proj,v_proj) does, on the same cards: bf16 base DDP + ckpt on 1 card" in out, out
     assert "scripts/finetune.py" in out and "--checkpointing" in out, out
     assert "\ncheck: DDP + ckpt on 2 CPU ranks" in out and "-> the same training" in out, out
+    assert "--model tiny --method lora --strategy ddp" in out and "\ncheck: the command ran: final loss" in out, out
