@@ -317,10 +317,9 @@ def test_any_two_batch_sizes_give_the_third():
 
 
 def test_a_restarted_attempt_never_reads_the_failed_attempts_addresses(killed, monkeypatch):
-    """CI failed the crash-and-resume test with "Connection refused": torchrun's agent store keeps the failed
-    attempt's keys across a restart (pytorch#135712), and restarted rank 1 dialled the dead rank 0's gloo address
-    (a restarted 2-rank job whose rank 0 joins 2 s late, without ``attempt_store``: 3 failures in 5 runs on torch
-    2.13). ``attempt_store`` gives each attempt its own keys in the agent's store: checked here, to the key, on a
+    """torchrun's agent store keeps the failed attempt's keys across a restart (pytorch#135712): without
+    ``attempt_store`` a restarted rank can dial the dead rank 0's gloo address ("Connection refused").
+    ``attempt_store`` gives each attempt its own keys in the agent's store: checked here, to the key, on a
     real TCPStore in the agent's place, with the environment torchrun gives a worker. That its store forms the
     restarted group under torchrun: the killed job, whose second attempt resumed through it."""
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -337,6 +336,7 @@ def test_a_restarted_attempt_never_reads_the_failed_attempts_addresses(killed, m
     assert None not in stores.values(), "under torchrun's agent store, each attempt needs a store of its own"
     keys = agent.num_keys()
     stores[0].set("rank_0", "the failed attempt's address")
+    stores[0].get("rank_0")   # a set has no reply: a round trip on its own connection makes sure the server has it
     assert agent.num_keys() == keys + 1, "the attempt's keys must go to the agent's store, which every rank shares"
     assert not stores[1].check(["rank_0"]), "the restarted attempt sees the failed attempt's rank_0 key"
     stores[1].set("rank_0", "the new address")
