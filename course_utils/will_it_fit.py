@@ -1127,12 +1127,15 @@ def tiny_command(command, world_size=2):
             + [w for kv in opts.items() for w in kv] + flags + ["--log-every", "1"])
 
 
-def run_tiny(command, world_size=2, timeout=600):
-    """Run ``command`` at tiny scale (tiny_command) from the repository's root; returns (returncode, output)."""
+def run_tiny(args, timeout=600):
+    """Run tiny_command's ``args`` under torchrun from the repository's root, gloo on loopback; returns (returncode,
+    output)."""
     import subprocess
 
-    args = tiny_command(command, world_size)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    from course_utils.engine.ranks import _loopback_interface
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "GLOO_SOCKET_IFNAME": _loopback_interface(sys.platform, os.environ)}
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=root, env=env, timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

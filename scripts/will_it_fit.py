@@ -135,7 +135,7 @@ def run_command_at_tiny_scale(command):
         return True
     print("check: the command above at tiny scale (the tiny Llama, 2 CPU ranks, 32 tokens, 2 steps, at most 2 "
           "micro-batches accumulated), 20-60 s:\n    torchrun " + " ".join(args), flush=True)
-    rc, out = run_tiny(command)
+    rc, out = run_tiny(args)
     final = re.findall(r"final_loss=([0-9.]+)", out)
     if rc or not final:
         print(f"check: the command FAILED (exit code {rc}); its last lines:\n{out[-3000:]}")

@@ -220,7 +220,7 @@ def test_check_runs_each_printed_command_at_tiny_scale(method, strategy, tmp_pat
         tiny_command("accelerate launch train_text_to_image.py")
     if (method, strategy) == ("lora", "fsdp"):
         monkeypatch.setenv("TMPDIR", str(tmp_path))   # torchrun's torchelastic_* folder goes there
-        rc, out = run_tiny(printed)
+        rc, out = run_tiny(args)
         assert rc == 0 and re.search(r"final_loss=[0-9.]+", out) and out.count("2 ranks on cpu") == 2, out[-3000:]
 
 
